@@ -1,0 +1,243 @@
+"""The epilogue vocabulary: every op a fused region may contain, each with its one plain-PyTorch reference.
+
+Entry point: ``EPILOGUE_OPS`` (canonical name -> EpilogueOp), filled by the ``@epilogue_op`` decorator below.
+
+A reference is the spec of its op. The reference interpreter (the CPU and fake implementation of the fused
+op, see ``fxfuse.program``) calls it, and the tests use it as their oracle. The CUDA functor of each op
+(``kernels/epilogue_ops.cuh``) carries a comment that points back here.
+
+Signature convention: positional parameters are tensor *operands* (a value of the region, an outside tensor
+passed to the fused op, a Python number or None); keyword-only parameters are scalar *attributes* that the
+program captures (eps, slopes, bounds, group counts...).
+"""
+from __future__ import annotations
+
+import inspect
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+POINTWISE = "pointwise"  # elementwise; binary ops broadcast their operands exactly as eager does
+NORM = "norm"            # shape-preserving, needs statistics over the features of a row (or row group)
+REDUCTION = "reduction"  # reduces the features of each row to one value
+
+
+@dataclass(frozen=True)
+class EpilogueOp:
+    name: str
+    kind: str
+    operands: tuple[str, ...]
+    attrs: tuple[str, ...]
+    reference: Callable[..., torch.Tensor]
+    # Operands that must be outside tensors of one value per feature (norm affines, running stats).
+    feature_operands: frozenset[str] = frozenset()
+    # Attribute sets the generic tests try for this op.
+    samples: tuple[dict[str, Any], ...] = ({},)
+    # Attributes of the op that must be the features dim ("dim" of reductions and softmax).
+    feature_dim_attr: str | None = None
+
+    @property
+    def is_binary(self) -> bool:
+        return self.kind == POINTWISE and len(self.operands) == 2
+
+
+EPILOGUE_OPS: dict[str, EpilogueOp] = {}
+
+
+def epilogue_op(kind: str, *, samples=({},), feature_operands=(), feature_dim_attr=None):
+    """Register a reference function as a canonical epilogue op named after the function."""
+
+    def register(fn):
+        params = inspect.signature(fn).parameters.values()
+        operands = tuple(p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD)
+        attrs = tuple(p.name for p in params if p.kind is p.KEYWORD_ONLY)
+        EPILOGUE_OPS[fn.__name__] = EpilogueOp(
+            name=fn.__name__, kind=kind, operands=operands, attrs=attrs, reference=fn,
+            feature_operands=frozenset(feature_operands), samples=tuple(samples),
+            feature_dim_attr=feature_dim_attr)
+        return fn
+
+    return register
+
+
+# ---------------------------------------------------------------- binary pointwise
+# operator.* rather than torch.*: it accepts a Python number on either side, as `2.0 - x` does in eager.
+
+@epilogue_op(POINTWISE)
+def add(a, b):
+    return operator.add(a, b)
+
+
+@epilogue_op(POINTWISE)
+def sub(a, b):
+    return operator.sub(a, b)
+
+
+@epilogue_op(POINTWISE)
+def mul(a, b):
+    return operator.mul(a, b)
+
+
+@epilogue_op(POINTWISE)
+def div(a, b):
+    return operator.truediv(a, b)
+
+
+# ---------------------------------------------------------------- unary pointwise
+
+@epilogue_op(POINTWISE)
+def neg(x):
+    return torch.neg(x)
+
+
+@epilogue_op(POINTWISE)
+def relu(x):
+    return torch.relu(x)
+
+
+@epilogue_op(POINTWISE, samples=({"min": -1.0, "max": 1.0}, {"min": 0.0, "max": None},
+                                  {"min": None, "max": 0.5}, {"min": -2.0, "max": 2.0}))
+def clamp(x, *, min, max):
+    return torch.clamp(x, min, max)
+
+
+@epilogue_op(POINTWISE, samples=({"negative_slope": 0.01}, {"negative_slope": 0.2}))
+def leaky_relu(x, *, negative_slope):
+    return F.leaky_relu(x, negative_slope)
+
+
+@epilogue_op(POINTWISE, samples=({"alpha": 1.0, "scale": 1.0, "input_scale": 1.0},
+                                  {"alpha": 1.6732632423543772, "scale": 1.0507009873554805, "input_scale": 1.0},
+                                  {"alpha": 0.5, "scale": 1.0, "input_scale": 2.0}))
+def elu(x, *, alpha, scale, input_scale):
+    # One op for elu, selu (alpha and scale fixed) and celu (input_scale = 1 / alpha).
+    return torch.ops.aten.elu(x, alpha, scale, input_scale)
+
+
+@epilogue_op(POINTWISE, samples=({"approximate": "none"}, {"approximate": "tanh"}))
+def gelu(x, *, approximate):
+    return F.gelu(x, approximate=approximate)
+
+
+@epilogue_op(POINTWISE)
+def silu(x):
+    return F.silu(x)
+
+
+@epilogue_op(POINTWISE)
+def mish(x):
+    return F.mish(x)
+
+
+@epilogue_op(POINTWISE)
+def sigmoid(x):
+    return torch.sigmoid(x)
+
+
+@epilogue_op(POINTWISE)
+def tanh(x):
+    return torch.tanh(x)
+
+
+@epilogue_op(POINTWISE, samples=({"beta": 1.0, "threshold": 20.0}, {"beta": 2.0, "threshold": 1.0}))
+def softplus(x, *, beta, threshold):
+    return F.softplus(x, beta, threshold)
+
+
+@epilogue_op(POINTWISE)
+def hardswish(x):
+    return F.hardswish(x)
+
+
+@epilogue_op(POINTWISE)
+def hardsigmoid(x):
+    return F.hardsigmoid(x)
+
+
+@epilogue_op(POINTWISE)
+def exp(x):
+    return torch.exp(x)
+
+
+@epilogue_op(POINTWISE)
+def log(x):
+    return torch.log(x)
+
+
+@epilogue_op(POINTWISE)
+def abs(x):
+    return torch.abs(x)
+
+
+@epilogue_op(POINTWISE, samples=({"exponent": 2.0}, {"exponent": 3.0}, {"exponent": 0.5}))
+def pow(x, *, exponent):
+    return torch.pow(x, exponent)
+
+
+# ---------------------------------------------------------------- normalizations over the features of a row
+
+@epilogue_op(NORM, feature_operands=("weight", "bias"),
+             samples=({"num_groups": 1, "eps": 1e-5}, {"num_groups": 4, "eps": 1e-5}, {"num_groups": 8, "eps": 1e-3}))
+def group_norm(x, weight, bias, *, num_groups, eps):
+    return F.group_norm(x, num_groups, weight, bias, eps)
+
+
+@epilogue_op(NORM, feature_operands=("weight", "bias"), samples=({"eps": 1e-5}, {"eps": 1e-3}))
+def layer_norm(x, weight, bias, *, eps):
+    # Over the last dim only; instance norm of each row is this op without weight and bias.
+    return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
+
+
+@epilogue_op(NORM, feature_operands=("weight",), samples=({"eps": 1e-6}, {"eps": None}))
+def rms_norm(x, weight, *, eps):
+    return F.rms_norm(x, x.shape[-1:], weight, eps)
+
+
+@epilogue_op(POINTWISE, feature_operands=("running_mean", "running_var", "weight", "bias"),
+             samples=({"eps": 1e-5},))
+def batch_norm(x, running_mean, running_var, weight, bias, *, eps):
+    # Eval mode only: a per-feature affine with live running statistics.
+    return F.batch_norm(x, running_mean, running_var, weight, bias, False, 0.0, eps)
+
+
+@epilogue_op(NORM, samples=({"dim": -1},), feature_dim_attr="dim")
+def softmax(x, *, dim):
+    return torch.softmax(x, dim)
+
+
+@epilogue_op(NORM, samples=({"dim": -1},), feature_dim_attr="dim")
+def log_softmax(x, *, dim):
+    return torch.log_softmax(x, dim)
+
+
+# ---------------------------------------------------------------- row reductions over the features
+
+_REDUCE_SAMPLES = ({"dim": -1, "keepdim": True}, {"dim": -1, "keepdim": False})
+
+
+@epilogue_op(REDUCTION, samples=_REDUCE_SAMPLES, feature_dim_attr="dim")
+def sum(x, *, dim, keepdim):
+    return torch.sum(x, dim, keepdim)
+
+
+@epilogue_op(REDUCTION, samples=_REDUCE_SAMPLES, feature_dim_attr="dim")
+def mean(x, *, dim, keepdim):
+    return torch.mean(x, dim, keepdim)
+
+
+@epilogue_op(REDUCTION, samples=_REDUCE_SAMPLES, feature_dim_attr="dim")
+def amax(x, *, dim, keepdim):
+    return torch.amax(x, dim, keepdim)
+
+
+@epilogue_op(REDUCTION, samples=_REDUCE_SAMPLES, feature_dim_attr="dim")
+def amin(x, *, dim, keepdim):
+    return torch.amin(x, dim, keepdim)
+
+
+@epilogue_op(REDUCTION, samples=_REDUCE_SAMPLES, feature_dim_attr="dim")
+def logsumexp(x, *, dim, keepdim):
+    return torch.logsumexp(x, dim, keepdim)

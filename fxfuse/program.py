@@ -1,0 +1,128 @@
+"""The program IR of the fused op, and its reference interpreter.
+
+Entry points: ``Program`` (``Program.parse(text)``, ``str(program)``) and ``run_reference``.
+
+A program is a straight-line list of epilogue instructions in SSA form, serialized as text such as
+
+    add(%0,$0);clamp(%1,-1.0,1.0);mish(%2);group_norm(%3,$1,$2,256,1e-05)
+
+- ``%0`` is the GEMM output ``linear(x, weight, bias)``; instruction ``i`` (from 0) defines ``%{i+1}``.
+- ``$k`` is ``params[k]``, a tensor from outside the region (a parameter, buffer, graph input...).
+- Every other token is a literal: a Python number (``inf``/``nan`` included), ``None``, ``True``/``False``
+  or a quoted string such as ``'tanh'``.
+- Each instruction lists its operands, then its attributes, in the order of its reference's signature
+  (``fxfuse.epilogue``). The last instruction's value is the op's result.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+
+from .epilogue import EPILOGUE_OPS
+
+
+@dataclass(frozen=True)
+class Value:
+    index: int
+
+    def __str__(self):
+        return f"%{self.index}"
+
+
+@dataclass(frozen=True)
+class Param:
+    index: int
+
+    def __str__(self):
+        return f"${self.index}"
+
+
+Operand = Union[Value, Param, int, float, bool, str, None]
+
+
+def format_literal(value: Any) -> str:
+    if isinstance(value, str):
+        return "'" + value + "'"
+    if isinstance(value, float):
+        return repr(value)  # round-trips exactly; 'inf', '-inf' and 'nan' included
+    return str(value)
+
+
+def parse_token(token: str) -> Operand:
+    if token.startswith("%"):
+        return Value(int(token[1:]))
+    if token.startswith("$"):
+        return Param(int(token[1:]))
+    if token.startswith("'") and token.endswith("'"):
+        return token[1:-1]
+    if token in ("None", "True", "False"):
+        return {"None": None, "True": True, "False": False}[token]
+    try:
+        return int(token)
+    except ValueError:
+        return float(token)
+
+
+@dataclass(frozen=True)
+class Instruction:
+    op: str
+    operands: tuple[Operand, ...]
+    attrs: tuple[Any, ...]
+
+    def __str__(self):
+        items = [str(o) if isinstance(o, (Value, Param)) else format_literal(o) for o in self.operands]
+        items += [format_literal(a) for a in self.attrs]
+        return f"{self.op}({','.join(items)})"
+
+    @property
+    def attr_dict(self) -> dict[str, Any]:
+        return dict(zip(EPILOGUE_OPS[self.op].attrs, self.attrs))
+
+
+@dataclass(frozen=True)
+class Program:
+    instructions: tuple[Instruction, ...]
+
+    def __str__(self):
+        return ";".join(str(i) for i in self.instructions)
+
+    @staticmethod
+    @functools.lru_cache(maxsize=4096)
+    def parse(text: str) -> "Program":
+        instructions = []
+        for item in filter(None, (s.strip() for s in text.split(";"))):
+            name, _, rest = item.partition("(")
+            if name not in EPILOGUE_OPS or not rest.endswith(")"):
+                raise ValueError(f"fxfuse: bad program instruction {item!r}")
+            spec = EPILOGUE_OPS[name]
+            tokens = [parse_token(t.strip()) for t in rest[:-1].split(",")] if rest[:-1].strip() else []
+            if len(tokens) != len(spec.operands) + len(spec.attrs):
+                raise ValueError(f"fxfuse: {name} takes {len(spec.operands)} operands and "
+                                 f"{len(spec.attrs)} attributes, got {item!r}")
+            n = len(spec.operands)
+            for operand in tokens[:n]:
+                if isinstance(operand, Value) and operand.index > len(instructions):
+                    raise ValueError(f"fxfuse: {item!r} reads %{operand.index} before it is defined")
+            instructions.append(Instruction(name, tuple(tokens[:n]), tuple(tokens[n:])))
+        return Program(tuple(instructions))
+
+
+def run_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  params: Sequence[torch.Tensor], program: str) -> torch.Tensor:
+    """Interpret ``program`` with each op's plain-PyTorch reference, in eager's op order, on any device."""
+    values = [F.linear(x, weight, bias)]
+    for instruction in Program.parse(program).instructions:
+        args = []
+        for operand in instruction.operands:
+            if isinstance(operand, Value):
+                args.append(values[operand.index])
+            elif isinstance(operand, Param):
+                args.append(params[operand.index])
+            else:
+                args.append(operand)
+        values.append(EPILOGUE_OPS[instruction.op].reference(*args, **instruction.attr_dict))
+    return values[-1]
