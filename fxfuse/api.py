@@ -1,0 +1,123 @@
+"""The user-facing entry points: ``optimize(model, example_inputs=None)`` and ``explain(model, example_inputs=None)``.
+
+Capture: the model is traced with ``torch.fx.symbolic_trace``. If the whole model can't be traced, each
+child module is tried in turn and what can't be traced stays in eager. The traced GraphModule shares the
+model's submodules, parameters and buffers (so state_dict keys and tensors are unchanged, and an optimizer
+step on the original parameters is seen by the optimized module). With example inputs, shapes and dtypes
+are propagated on fake tensors, which lets the matcher prove more (ranks, dims, operand dtypes).
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from .report import MissRow, Report
+from .rewrite import fuse_graph
+
+logger = logging.getLogger("fxfuse")
+
+
+def _trace(model: nn.Module) -> fx.GraphModule:
+    if isinstance(model, fx.GraphModule):
+        gm = fx.GraphModule(model, copy.deepcopy(model.graph))
+    else:
+        gm = fx.symbolic_trace(model)
+    # Keep every child, parameter and buffer, used by the graph or not, under its own name.
+    for name, child in model.named_children():
+        if not hasattr(gm, name):
+            gm.add_module(name, child)
+    for name, param in model.named_parameters(recurse=False):
+        if name not in gm._parameters:
+            gm.register_parameter(name, param)
+    for name, buffer in model.named_buffers(recurse=False):
+        if name not in gm._buffers:
+            gm.register_buffer(name, buffer, persistent=name not in model._non_persistent_buffers_set)
+    return gm
+
+
+def _propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+    """Record each node's shape and dtype (node.meta['val']) by running the graph on fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    try:
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        FakeTensorProp(gm, mode).propagate(*example_inputs)
+    except Exception as error:  # shapes are a help, not a need: the matcher proves less without them
+        logger.info("fxfuse: no shapes (%s: %s); matching without them", type(error).__name__, error)
+        for node in gm.graph.nodes:
+            node.meta.pop("val", None)
+
+
+def _children_inputs(model: nn.Module, example_inputs) -> dict[str, tuple]:
+    """The inputs each direct child module sees on a run of `model` on `example_inputs` (first call only)."""
+    seen: dict[str, tuple] = {}
+    hooks = [child.register_forward_pre_hook(lambda mod, args, name=name: seen.setdefault(name, args))
+             for name, child in model.named_children()]
+    try:
+        with torch.no_grad():
+            model(*example_inputs)
+    except Exception as error:
+        logger.info("fxfuse: could not run the model to find its children's inputs: %s", error)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return seen
+
+
+def _optimize(model: nn.Module, example_inputs, path: str, report: Report) -> nn.Module:
+    try:
+        gm = _trace(model)
+    except Exception as error:
+        reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        logger.info("fxfuse: %s can't be traced (%s); trying its children", path or "the model", reason)
+        report.skipped.append(MissRow(path or "<model>", type(model).__name__, reason))
+        inputs = _children_inputs(model, example_inputs) if example_inputs is not None else {}
+        result = copy.copy(model)
+        result._modules = dict(model._modules)
+        for name, child in model.named_children():
+            result._modules[name] = _optimize(child, inputs.get(name), f"{path}.{name}" if path else name, report)
+        return result
+    if example_inputs is not None:
+        _propagate_shapes(gm, example_inputs)
+    report.extend(fuse_graph(gm, path))
+    return gm
+
+
+def _load_kernels_for(example_inputs, model: nn.Module) -> None:
+    tensors = list(model.parameters()) + [t for t in (example_inputs or ()) if isinstance(t, torch.Tensor)]
+    if any(t.is_cuda for t in tensors):
+        from .kernels import load
+        load()
+
+
+def optimize(model: nn.Module, example_inputs: Sequence[Any] | None = None, **options) -> nn.Module:
+    """Return `model` with every fusible GEMM-epilogue chain replaced by one fxfuse op.
+
+    The result computes what `model` computes (within the dtype's tolerance) and shares its parameters.
+    `example_inputs` (optional) lets the matcher prove more. Options: ``load_kernels`` (default True) builds
+    or loads the CUDA kernels when the model or its inputs are on a GPU. The report of what was fused is
+    kept as ``result.fxfuse_report``.
+    """
+    unknown = set(options) - {"load_kernels"}
+    if unknown:
+        raise TypeError(f"fxfuse.optimize() got unexpected options {sorted(unknown)}")
+    if options.get("load_kernels", True):
+        _load_kernels_for(example_inputs, model)
+    report = Report()
+    optimized = _optimize(model, tuple(example_inputs) if example_inputs is not None else None, "", report)
+    optimized.fxfuse_report = report
+    logger.info("%s", report)
+    return optimized
+
+
+def explain(model: nn.Module, example_inputs: Sequence[Any] | None = None) -> Report:
+    """Report what `optimize(model, example_inputs)` would fuse, and why anything near a GEMM would not."""
+    report = Report()
+    _optimize(model, tuple(example_inputs) if example_inputs is not None else None, "", report)
+    return report

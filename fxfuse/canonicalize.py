@@ -1,0 +1,545 @@
+"""Canonicalization: every spelling of a GEMM or epilogue op becomes one ``Canonical`` record.
+
+Entry point: ``canonicalize(gm) -> dict[fx.Node, Canonical]``.
+
+Spellings differ in form (module, functional, torch.*, tensor method, operator, in-place), in argument
+passing (positional, keyword, defaults) and in name (aliases such as ``torch.clip``). This module is the only
+place that knows about them: the matcher sees canonical ops named after ``fxfuse.epilogue`` entries, plus
+``linear`` for the GEMM anchor. The graph itself is left as it is, except that uses of a tensor after an
+in-place op on it are redirected to the in-place node (which returns that same tensor), so that data flow
+is explicit in the edges.
+
+Each spelling is bound against a Python signature, so keyword and positional arguments, and defaults, are
+all resolved the same way. Module calls are first translated to their functional equivalent, with the
+module's tensors as ``Attr`` operands.
+"""
+from __future__ import annotations
+
+import builtins
+import inspect
+import math
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+LINEAR = "linear"      # the GEMM anchor: operands (x, weight, bias); attr transpose_weight
+IDENTITY = "identity"  # a no-op in the region (eval-mode dropout, nn.Identity, contiguous)
+COVERED = "covered"    # a node that another canonical op stands for (its only operand): matched through it
+
+
+@dataclass(frozen=True)
+class Attr:
+    """A tensor attribute of the traced module (a parameter or buffer), by its dotted path."""
+    path: str
+
+    def __str__(self):
+        return self.path
+
+
+@dataclass
+class Canonical:
+    op: str
+    operands: tuple = ()                      # fx.Node | Attr | number | None, in the op's operand order
+    attrs: dict[str, Any] = field(default_factory=dict)
+    inplace_of: Any = None                    # the tensor an in-place spelling mutates
+    covers: tuple = ()                        # further fx nodes this canonical op stands for
+    problem: str | None = None                # recognised, but not fusible: the reason
+
+
+class NotFusible(Exception):
+    """Raised by a spelling handler: the op is recognised but this use of it cannot be fused."""
+
+
+# ---------------------------------------------------------------- the spelling table
+
+_FUNCTIONS: dict[Any, tuple[inspect.Signature, Callable]] = {}
+_METHODS: dict[str, tuple[inspect.Signature, Callable]] = {}
+_INPLACE_FUNCTIONS: set = set()
+
+
+def _signature(text: str) -> inspect.Signature:
+    namespace: dict[str, Any] = {}
+    exec(f"def f{text}: pass", {}, namespace)
+    return inspect.signature(namespace["f"])
+
+
+def spelling(signature: str, functions=(), methods=(), inplace_functions=(), inplace_methods=()):
+    """Declare the spellings of one canonical op: the handler gets the bound arguments and ``inplace``."""
+    sig = _signature(signature)
+
+    def register(handler):
+        for fn in functions:
+            _FUNCTIONS[fn] = (sig, handler)
+        for fn in inplace_functions:
+            _FUNCTIONS[fn] = (sig, handler)
+            _INPLACE_FUNCTIONS.add(fn)
+        for name in methods:
+            _METHODS[name] = (sig, handler)
+        for name in inplace_methods:
+            _METHODS[name] = (sig, handler)
+        return handler
+
+    return register
+
+
+def _optional(*names):
+    return tuple(f for f in (getattr(torch, n, None) for n in names) if f is not None)
+
+
+def _unary(op: str, fns=(), inplace_fns=(), methods=(), signature="(input, inplace=False)", **attrs):
+    @spelling(signature, functions=fns, inplace_functions=inplace_fns, methods=methods,
+              inplace_methods=tuple(m + "_" for m in methods))
+    def handler(a, inplace):
+        return Canonical(op, (a["input"],), dict(attrs), inplace_of=a["input"] if inplace else None)
+    return handler
+
+
+_unary("relu", (F.relu, torch.relu), (F.relu_, torch.relu_), ("relu",))
+_unary("silu", (F.silu,))
+_unary("mish", (F.mish,))
+_unary("sigmoid", (torch.sigmoid, F.sigmoid), _optional("sigmoid_"), ("sigmoid",))
+_unary("tanh", (torch.tanh, F.tanh), _optional("tanh_"), ("tanh",))
+_unary("hardswish", (F.hardswish,))
+_unary("hardsigmoid", (F.hardsigmoid,))
+_unary("exp", (torch.exp,), _optional("exp_"), ("exp",))
+_unary("log", (torch.log,), _optional("log_"), ("log",))
+_unary("abs", (torch.abs, torch.absolute, operator.abs), _optional("abs_"), ("abs", "absolute"))
+_unary("neg", (torch.neg, torch.negative, operator.neg), _optional("neg_"), ("neg", "negative"))
+_unary("softplus", (F.softplus,), signature="(input, beta=1.0, threshold=20.0)")
+_unary(IDENTITY, (), (), ("contiguous",), signature="(input, memory_format=None)")
+
+
+def _inplace(a, inplace):
+    return a["input"] if inplace else None
+
+
+@spelling("(input, approximate='none')", functions=(F.gelu,))
+def _gelu(a, inplace):
+    return Canonical("gelu", (a["input"],), {"approximate": a["approximate"]})
+
+
+@spelling("(input, negative_slope=0.01, inplace=False)", functions=(F.leaky_relu,),
+          inplace_functions=(F.leaky_relu_,))
+def _leaky_relu(a, inplace):
+    return Canonical("leaky_relu", (a["input"],), {"negative_slope": float(a["negative_slope"])},
+                     inplace_of=_inplace(a, inplace))
+
+
+@spelling("(input, alpha=1.0, inplace=False)", functions=(F.elu,), inplace_functions=(F.elu_,))
+def _elu(a, inplace):
+    attrs = {"alpha": float(a["alpha"]), "scale": 1.0, "input_scale": 1.0}
+    return Canonical("elu", (a["input"],), attrs, inplace_of=_inplace(a, inplace))
+
+
+@spelling("(input, inplace=False)", functions=(F.selu, torch.selu), inplace_functions=_optional("selu_"))
+def _selu(a, inplace):
+    attrs = {"alpha": 1.6732632423543772848170429916717, "scale": 1.0507009873554804934193349852946,
+             "input_scale": 1.0}
+    return Canonical("elu", (a["input"],), attrs, inplace_of=_inplace(a, inplace))
+
+
+@spelling("(input, alpha=1.0, inplace=False)", functions=(F.celu, torch.celu), inplace_functions=_optional("celu_"))
+def _celu(a, inplace):
+    if a["alpha"] == 0:
+        raise NotFusible("celu with alpha=0")
+    attrs = {"alpha": float(a["alpha"]), "scale": 1.0, "input_scale": 1.0 / a["alpha"]}
+    return Canonical("elu", (a["input"],), attrs, inplace_of=_inplace(a, inplace))
+
+
+def _number(value, what):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise NotFusible(f"{what} is not a Python number")
+    return float(value)
+
+
+def _clamp(a, inplace, low, high):
+    if low is None and high is None:
+        raise NotFusible("clamp without bounds")
+    low = None if low is None else _number(low, "clamp's min")
+    high = None if high is None else _number(high, "clamp's max")
+    return Canonical("clamp", (a["input"],), {"min": low, "max": high}, inplace_of=_inplace(a, inplace))
+
+
+@spelling("(input, min=None, max=None)", functions=(torch.clamp, torch.clip),
+          inplace_functions=_optional("clamp_", "clip_"), methods=("clamp", "clip"),
+          inplace_methods=("clamp_", "clip_"))
+def _clamp_both(a, inplace):
+    return _clamp(a, inplace, a["min"], a["max"])
+
+
+@spelling("(input, min)", functions=(torch.clamp_min,), inplace_functions=_optional("clamp_min_"),
+          methods=("clamp_min",), inplace_methods=("clamp_min_",))
+def _clamp_min(a, inplace):
+    return _clamp(a, inplace, a["min"], None)
+
+
+@spelling("(input, max)", functions=(torch.clamp_max,), inplace_functions=_optional("clamp_max_"),
+          methods=("clamp_max",), inplace_methods=("clamp_max_",))
+def _clamp_max(a, inplace):
+    return _clamp(a, inplace, None, a["max"])
+
+
+@spelling("(input, min_val=-1.0, max_val=1.0, inplace=False)", functions=(F.hardtanh,),
+          inplace_functions=(F.hardtanh_,))
+def _hardtanh(a, inplace):
+    return _clamp(a, inplace, a["min_val"], a["max_val"])
+
+
+@spelling("(input, inplace=False)", functions=(F.relu6,))
+def _relu6(a, inplace):
+    return _clamp(a, inplace, 0.0, 6.0)
+
+
+@spelling("(input, exponent)", functions=(torch.pow, operator.pow), methods=("pow",),
+          inplace_methods=("pow_",), inplace_functions=(operator.ipow,))
+def _pow(a, inplace):
+    return Canonical("pow", (a["input"],), {"exponent": _number(a["exponent"], "the exponent")},
+                     inplace_of=_inplace(a, inplace))
+
+
+def _binary(op: str, fns, methods, inplace_ops, signature="(input, other, alpha=1)", swap=False):
+    @spelling(signature, functions=fns, methods=methods, inplace_methods=tuple(m + "_" for m in methods),
+              inplace_functions=inplace_ops)
+    def handler(a, inplace):
+        left, right = (a["other"], a["input"]) if swap else (a["input"], a["other"])
+        alpha = a.get("alpha", 1)
+        if alpha != 1:
+            if not isinstance(right, (int, float)):
+                raise NotFusible(f"{op} with alpha={alpha} and a tensor operand")
+            right = right * alpha
+        if a.get("rounding_mode") is not None:
+            raise NotFusible(f"div with rounding_mode={a['rounding_mode']!r}")
+        if not any(isinstance(o, fx.Node) for o in (left, right)):
+            raise NotFusible(f"{op} of two constants")
+        return Canonical(op, (left, right), {}, inplace_of=a["input"] if inplace else None)
+    return handler
+
+
+_binary("add", (torch.add, operator.add), ("add",), (operator.iadd,))
+_binary("sub", (torch.sub, torch.subtract, operator.sub), ("sub", "subtract"), (operator.isub,))
+_binary("sub", (torch.rsub,), (), (), swap=True)
+_binary("mul", (torch.mul, torch.multiply, operator.mul), ("mul", "multiply"), (operator.imul,),
+        signature="(input, other)")
+_binary("div", (torch.div, torch.divide, torch.true_divide, operator.truediv), ("div", "divide", "true_divide"),
+        (operator.itruediv,), signature="(input, other, rounding_mode=None)")
+
+
+# ---------------------------------------------------------------- normalizations
+
+@spelling("(input, num_groups, weight=None, bias=None, eps=1e-05)", functions=(F.group_norm,))
+def _group_norm(a, inplace):
+    return Canonical("group_norm", (a["input"], a["weight"], a["bias"]),
+                     {"num_groups": int(a["num_groups"]), "eps": float(a["eps"])})
+
+
+def _last_dim_only(normalized_shape, what):
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    if len(shape) != 1:
+        raise NotFusible(f"{what} over {len(shape)} dims, not the features alone")
+
+
+@spelling("(input, normalized_shape, weight=None, bias=None, eps=1e-05)", functions=(F.layer_norm,))
+def _layer_norm(a, inplace):
+    _last_dim_only(a["normalized_shape"], "layer_norm")
+    return Canonical("layer_norm", (a["input"], a["weight"], a["bias"]), {"eps": float(a["eps"])})
+
+
+@spelling("(input, normalized_shape, weight=None, eps=None)", functions=(F.rms_norm,))
+def _rms_norm(a, inplace):
+    _last_dim_only(a["normalized_shape"], "rms_norm")
+    eps = None if a["eps"] is None else float(a["eps"])
+    return Canonical("rms_norm", (a["input"], a["weight"]), {"eps": eps})
+
+
+@spelling("(input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1, eps=1e-05)",
+          functions=(F.batch_norm,))
+def _batch_norm(a, inplace):
+    if a["training"]:
+        raise NotFusible("train-mode batch_norm normalizes over the batch, not within a row")
+    return Canonical("batch_norm", (a["input"], a["running_mean"], a["running_var"], a["weight"], a["bias"]),
+                     {"eps": float(a["eps"])})
+
+
+@spelling("(input, running_mean=None, running_var=None, weight=None, bias=None, use_input_stats=True, "
+          "momentum=0.1, eps=1e-05)", functions=(F.instance_norm,))
+def _instance_norm(a, inplace):
+    if not a["use_input_stats"]:
+        raise NotFusible("instance_norm with running statistics")
+    if a["weight"] is not None or a["bias"] is not None:
+        raise NotFusible("affine instance_norm scales per channel, not per feature")
+    # Instance norm of each row over its features is layer norm without affine. The rank is checked by
+    # the matcher (`rank_needed`): F.instance_norm wants a 3-D input.
+    return Canonical("layer_norm", (a["input"], None, None), {"eps": float(a["eps"]), "rank_needed": (3,)})
+
+
+def _softmax_like(op):
+    @spelling("(input, dim=None, _stacklevel=3, dtype=None)",
+              functions=(getattr(F, op), getattr(torch, op)), methods=(op,))
+    def handler(a, inplace):
+        if a["dim"] is None:
+            raise NotFusible(f"{op} without an explicit dim")
+        if a["dtype"] is not None:
+            raise NotFusible(f"{op} with dtype={a['dtype']}")
+        return Canonical(op, (a["input"],), {"dim": int(a["dim"])})
+    return handler
+
+
+_softmax_like("softmax")
+_softmax_like("log_softmax")
+
+
+# ---------------------------------------------------------------- row reductions
+
+def _single_dim(dim, op):
+    if isinstance(dim, (list, tuple)):
+        if len(dim) != 1:
+            raise NotFusible(f"{op} over {len(dim) or 'all'} dims, not the features alone")
+        dim = dim[0]
+    if not isinstance(dim, int):
+        raise NotFusible(f"{op} without a dim reduces the whole tensor")
+    return dim
+
+
+def _reduction(op, fns, methods, signature="(input, dim=None, keepdim=False, dtype=None)"):
+    @spelling(signature, functions=fns, methods=methods)
+    def handler(a, inplace):
+        if a.get("dtype") is not None:
+            raise NotFusible(f"{op} with dtype={a['dtype']}")
+        return Canonical(op, (a["input"],), {"dim": _single_dim(a["dim"], op), "keepdim": bool(a["keepdim"])})
+    return handler
+
+
+_reduction("sum", (torch.sum,), ("sum",))
+_reduction("mean", (torch.mean,), ("mean",))
+_reduction("amax", (torch.amax,), ("amax",), "(input, dim=(), keepdim=False)")
+_reduction("amin", (torch.amin,), ("amin",), "(input, dim=(), keepdim=False)")
+_reduction("logsumexp", (torch.logsumexp,), ("logsumexp",), "(input, dim, keepdim=False)")
+
+# torch.max(x, dim) / torch.min(x, dim) return (values, indices): the reduction is the `[0]` / `.values` node.
+_VALUES_OF = {"max": "amax", "min": "amin"}
+
+
+@spelling("(input, dim=None, keepdim=False)", functions=(torch.max, torch.min), methods=("max", "min"))
+def _max_min(a, inplace):
+    raise NotFusible("max/min is fused through its `.values` or `[0]`")
+
+
+def _values_of(node: fx.Node) -> Canonical | None:
+    """`torch.min(x, 1, True)[0]` and `x.min(dim=1).values` are the row reduction amin."""
+    if node.op != "call_function" or node.target not in (operator.getitem, builtins.getattr):
+        return None
+    source, key = node.args[0], node.args[1]
+    if not isinstance(source, fx.Node) or key not in (0, "values"):
+        return None
+    name = _reduction_name(source)
+    if name is None:
+        return None
+    try:
+        bound = _FUNCTIONS[torch.max][0].bind(*source.args, **source.kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    a = bound.arguments
+    if not isinstance(a["dim"], int):
+        return Canonical(_VALUES_OF[name], (a["input"],), {}, problem=f"{name} without an int dim")
+    if len(source.users) != 1:
+        return Canonical(_VALUES_OF[name], (a["input"],), {},
+                         problem=f"the indices of `{source.name}` are used too")
+    return Canonical(_VALUES_OF[name], (a["input"],), {"dim": a["dim"], "keepdim": bool(a["keepdim"])},
+                     covers=(source,))
+
+
+def _reduction_name(node: fx.Node) -> str | None:
+    if node.op == "call_function" and node.target in (torch.max, torch.min):
+        return node.target.__name__
+    if node.op == "call_method" and node.target in ("max", "min"):
+        return node.target
+    return None
+
+
+# ---------------------------------------------------------------- dropout and the GEMM anchor
+
+@spelling("(input, p=0.5, training=True, inplace=False)", functions=(F.dropout,))
+def _dropout(a, inplace):
+    if a["training"] and a["p"] > 0:
+        raise NotFusible(f"dropout(p={a['p']}) in training mode is random")
+    return Canonical(IDENTITY, (a["input"],))
+
+
+@spelling("(input, weight, bias=None)", functions=(F.linear, torch._C._nn.linear))
+def _linear(a, inplace):
+    return Canonical(LINEAR, (a["input"], a["weight"], a["bias"]), {"transpose_weight": False})
+
+
+def _transposed_weight(other):
+    """If `other` is `W.t()` (or `.T`, `transpose(0, 1)`, `permute(1, 0)`), return W."""
+    if not isinstance(other, fx.Node):
+        return None
+    t, args = other.target, other.args
+    if other.op == "call_method" and t == "t" or other.op == "call_function" and t is torch.t:
+        return args[0]
+    if other.op == "call_function" and t is builtins.getattr and args[1] in ("T", "mT"):
+        return args[0]
+    if (other.op == "call_method" and t == "transpose" or other.op == "call_function" and t is torch.transpose) \
+            and set(args[1:3]) in ({0, 1}, {0, -1}, {-2, 1}, {-2, -1}) and args[1] != args[2]:
+        return args[0]
+    if other.op == "call_method" and t == "permute" and tuple(args[1:]) in ((1, 0),):
+        return args[0]
+    return None
+
+
+@spelling("(input, other)", functions=(torch.matmul, operator.matmul, torch.mm), methods=("matmul", "mm"))
+def _matmul(a, inplace):
+    weight = _transposed_weight(a["other"])
+    if weight is not None:
+        covers = (a["other"],) if len(a["other"].users) == 1 else ()
+        return Canonical(LINEAR, (a["input"], weight, None), {"transpose_weight": False}, covers=covers)
+    return Canonical(LINEAR, (a["input"], a["other"], None), {"transpose_weight": True})
+
+
+@spelling("(input, mat1, mat2, beta=1, alpha=1)", functions=(torch.addmm,))
+def _addmm(a, inplace):
+    if a["beta"] != 1 or a["alpha"] != 1:
+        raise NotFusible("addmm with beta or alpha other than 1")
+    weight = _transposed_weight(a["mat2"])
+    if weight is None:
+        return Canonical(LINEAR, (a["mat1"], a["mat2"], None), {"transpose_weight": True, "addmm_bias": a["input"]})
+    covers = (a["mat2"],) if len(a["mat2"].users) == 1 else ()
+    return Canonical(LINEAR, (a["mat1"], weight, None), {"transpose_weight": False, "addmm_bias": a["input"]},
+                     covers=covers)
+
+
+# ---------------------------------------------------------------- modules, as their functional equivalent
+
+def _module_tensor(path: str, module: nn.Module, name: str):
+    return None if getattr(module, name, None) is None else Attr(f"{path}.{name}" if path else name)
+
+
+def _module_call(module: nn.Module, path: str):
+    """Return (function, extra args after the input, kwargs) equivalent to calling `module`."""
+    T = lambda name: _module_tensor(path, module, name)  # noqa: E731  (a module tensor as an operand)
+    kind = type(module)
+    if kind is nn.Linear:
+        return F.linear, (T("weight"), T("bias")), {}
+    if kind in (nn.ReLU, nn.SiLU, nn.Mish, nn.Hardswish, nn.Hardsigmoid, nn.SELU, nn.ReLU6):
+        fn = {nn.ReLU: F.relu, nn.SiLU: F.silu, nn.Mish: F.mish, nn.Hardswish: F.hardswish,
+              nn.Hardsigmoid: F.hardsigmoid, nn.SELU: F.selu, nn.ReLU6: F.relu6}[kind]
+        return fn, (), {"inplace": module.inplace}
+    if kind in (nn.Sigmoid, nn.Tanh, nn.Identity):
+        return {nn.Sigmoid: torch.sigmoid, nn.Tanh: torch.tanh, nn.Identity: "identity"}[kind], (), {}
+    if kind is nn.Hardtanh:
+        return F.hardtanh, (module.min_val, module.max_val, module.inplace), {}
+    if kind is nn.LeakyReLU:
+        return F.leaky_relu, (module.negative_slope, module.inplace), {}
+    if kind in (nn.ELU, nn.CELU):
+        return {nn.ELU: F.elu, nn.CELU: F.celu}[kind], (module.alpha, module.inplace), {}
+    if kind is nn.GELU:
+        return F.gelu, (), {"approximate": module.approximate}
+    if kind is nn.Softplus:
+        return F.softplus, (module.beta, module.threshold), {}
+    if kind in (nn.Softmax, nn.LogSoftmax):
+        return {nn.Softmax: F.softmax, nn.LogSoftmax: F.log_softmax}[kind], (module.dim,), {}
+    if kind is nn.Dropout:
+        return F.dropout, (module.p, module.training), {}
+    if kind is nn.GroupNorm:
+        return F.group_norm, (module.num_groups, T("weight"), T("bias"), module.eps), {}
+    if kind is nn.LayerNorm:
+        return F.layer_norm, (module.normalized_shape, T("weight"), T("bias"), module.eps), {}
+    if kind is getattr(nn, "RMSNorm", None):
+        return F.rms_norm, (module.normalized_shape, T("weight"), module.eps), {}
+    if kind is nn.BatchNorm1d:
+        training = module.training or module.running_mean is None
+        return F.batch_norm, (T("running_mean"), T("running_var"), T("weight"), T("bias"), training,
+                              0.0, module.eps), {}
+    if kind is nn.InstanceNorm1d:
+        return "instance_norm_module", (module,), {}
+    return None
+
+
+def _instance_norm_module(node, module) -> Canonical:
+    if module.affine or module.track_running_stats:
+        return Canonical("layer_norm", (node.args[0], None, None), {},
+                         problem="InstanceNorm1d with affine or running stats is per channel, not per feature")
+    # On (M, N) (unbatched) or (B, M, N) it normalizes each row over its N features.
+    return Canonical("layer_norm", (node.args[0], None, None), {"eps": float(module.eps), "rank_needed": (2, 3)})
+
+
+# ---------------------------------------------------------------- canonicalize a node, a graph
+
+def canonical_of(node: fx.Node, gm: fx.GraphModule) -> Canonical | None:
+    """The canonical op this node spells, or None if it is no op of the vocabulary."""
+    args, kwargs = tuple(node.args), dict(node.kwargs)
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        call = _module_call(module, node.target)
+        if call is None:
+            return None
+        fn, extra, extra_kwargs = call
+        if fn == "instance_norm_module":
+            return _instance_norm_module(node, module)
+        if fn == "identity":
+            return Canonical(IDENTITY, (args[0],))
+        args, kwargs, target, table = args[:1] + tuple(extra), {**kwargs, **extra_kwargs}, fn, _FUNCTIONS
+    elif node.op == "call_function":
+        values = _values_of(node)
+        if values is not None:
+            return values
+        target, table = node.target, _FUNCTIONS
+    elif node.op == "call_method":
+        target, table = node.target, _METHODS
+    else:
+        return None
+    try:
+        entry = table.get(target)
+    except TypeError:  # an unhashable target is no spelling of ours
+        return None
+    if entry is None:
+        return None
+    sig, handler = entry
+    inplace = target in _INPLACE_FUNCTIONS or (node.op == "call_method" and target.endswith("_"))
+    try:
+        bound = sig.bind(*args, **kwargs)
+    except TypeError as error:
+        return Canonical("?", (), {}, problem=f"unexpected arguments: {error}")
+    bound.apply_defaults()
+    arguments = dict(bound.arguments)
+    inplace = inplace or bool(arguments.get("inplace", False))
+    try:
+        return handler(arguments, inplace)
+    except NotFusible as reason:
+        first = arguments.get("input")
+        return Canonical("?", (first,) if isinstance(first, fx.Node) else (), {}, problem=str(reason))
+
+
+def _redirect_inplace_uses(graph: fx.Graph, canon: dict[fx.Node, Canonical]) -> None:
+    """After `t.relu_()`, later readers of `t` read the in-place node instead: same tensor, explicit edge."""
+    position = {node: i for i, node in enumerate(graph.nodes)}
+    for node, c in canon.items():
+        target = c.inplace_of
+        if isinstance(target, fx.Node):
+            for user in list(target.users):
+                if user is not node and position[user] > position[node]:
+                    user.replace_input_with(target, node)
+
+
+def canonicalize(gm: fx.GraphModule) -> dict[fx.Node, Canonical]:
+    """Canonical records for every node of `gm` that spells a GEMM or an epilogue op; idioms included."""
+    from .idioms import apply_idioms
+
+    def records():
+        return {n: c for n in gm.graph.nodes if (c := canonical_of(n, gm)) is not None}
+
+    canon = records()
+    if any(c.inplace_of is not None for c in canon.values()):
+        _redirect_inplace_uses(gm.graph, canon)
+        canon = records()  # operands now name the redirected inputs
+    apply_idioms(gm, canon)
+    for node, c in list(canon.items()):
+        for covered in c.covers:
+            canon[covered] = Canonical(COVERED, (node,))
+    return canon

@@ -1,0 +1,196 @@
+"""Idioms: small multi-node spellings of one canonical op (``x * torch.sigmoid(x)`` is silu).
+
+Entry points: ``idiom`` (the decorator that declares one; ``fxfuse.patterns`` holds the built-in ones and
+user code may declare more, without editing fxfuse) and ``apply_idioms`` (called by canonicalization).
+
+An idiom is a plain function. Its positional parameters stand for any tensor; its keyword-only parameters
+stand for any Python number and are captured as the canonical op's attributes. The function is traced with
+torch.fx and canonicalized like a model, so it matches every spelling of the ops it is written with. The
+match is a subgraph monomorphism (networkx) of the idiom's DAG into the model's DAG around each candidate
+root, with operand positions on the edges (ignored for commutative ops).
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import networkx as nx
+import torch.fx as fx
+from networkx.algorithms.isomorphism import DiGraphMatcher
+
+from .canonicalize import Canonical, canonical_of
+
+logger = logging.getLogger("fxfuse")
+
+COMMUTATIVE = {"add", "mul"}
+
+
+@dataclass
+class Idiom:
+    op: str                       # the canonical op it stands for
+    attrs: dict[str, Any]         # fixed attributes of that op
+    function: Callable
+    graph: nx.DiGraph             # pattern nodes: fx nodes of the traced function; placeholders are wildcards
+    root: fx.Node
+    tensor_inputs: list[fx.Node]  # placeholders standing for tensors, in the function's order
+    scalar_inputs: dict[fx.Node, str]  # placeholders standing for numbers -> the attribute they become
+    canon: dict[fx.Node, Canonical]
+    depth: int                    # longest operand path from the root to an input
+
+
+IDIOMS: list[Idiom] = []
+
+
+def idiom(op: str, **attrs):
+    """Declare that the decorated function spells canonical op `op` (with fixed `attrs`).
+
+    >>> @idiom("silu")
+    ... def silu_spelled_out(x):
+    ...     return x * torch.sigmoid(x)
+    """
+
+    def declare(function):
+        IDIOMS.append(_build(op, attrs, function))
+        return function
+
+    return declare
+
+
+def _label(node: fx.Node, canon: dict[fx.Node, Canonical]):
+    c = canon.get(node)
+    if c is not None and c.problem is None:
+        return ("op", c.op)
+    if node.op in ("call_function", "call_method", "call_module"):
+        return (node.op, node.target)
+    return (node.op, None)
+
+
+def _operands(node: fx.Node, canon) -> list:
+    c = canon.get(node)
+    if c is not None and c.problem is None:
+        return list(c.operands)
+    return list(node.args) + list(node.kwargs.values())
+
+
+def _dag(nodes, canon, leave_out=()) -> nx.DiGraph:
+    graph = nx.DiGraph()
+    for node in nodes:
+        graph.add_node(node, label=_label(node, canon))
+    for node in nodes:
+        for operand in _operands(node, canon):
+            if isinstance(operand, fx.Node) and operand not in leave_out:
+                if operand not in graph:
+                    graph.add_node(operand, label=_label(operand, canon))
+                graph.add_edge(operand, node)
+    return graph
+
+
+def _build(op: str, attrs: dict, function: Callable) -> Idiom:
+    gm = fx.symbolic_trace(function)
+    canon = {n: c for n in gm.graph.nodes if (c := canonical_of(n, gm)) is not None}
+    params = inspect.signature(function).parameters
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    tensors = [n for n in placeholders if params[n.target].kind is not inspect.Parameter.KEYWORD_ONLY]
+    scalars = {n: n.target for n in placeholders if n not in tensors}
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    root = output.args[0]
+    body = [n for n in gm.graph.nodes if n.op != "output" and n not in scalars]
+    graph = _dag(body, canon, leave_out=scalars)
+    depth = max(nx.shortest_path_length(graph.reverse(copy=False), root).values())
+    return Idiom(op, attrs, function, graph, root, tensors, scalars, canon, depth)
+
+
+def _same_number(a, b) -> bool:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-12)
+    return a == b
+
+
+def _match_scalars(idiom: Idiom, mapping: dict, canon) -> dict[str, Any] | None:
+    """Check literal operands and attributes; capture the idiom's scalar parameters. None if they differ."""
+    captured: dict[str, Any] = {}
+    for pattern_node, model_node in mapping.items():
+        if pattern_node.op == "placeholder":
+            continue
+        p_ops, m_ops = _operands(pattern_node, idiom.canon), _operands(model_node, canon)
+        if len(p_ops) != len(m_ops):
+            return None
+        pairs = list(zip(p_ops, m_ops))
+        if _label(pattern_node, idiom.canon)[1] in COMMUTATIVE and len(pairs) == 2:
+            swapped = [(p_ops[0], m_ops[1]), (p_ops[1], m_ops[0])]
+            if not _pairs_agree(pairs, mapping, idiom, dict(captured)):
+                pairs = swapped
+        if not _pairs_agree(pairs, mapping, idiom, captured):
+            return None
+        pc, mc = idiom.canon.get(pattern_node), canon.get(model_node)
+        if pc is not None and mc is not None:
+            for key, value in pc.attrs.items():
+                if not _same_number(value, mc.attrs.get(key)):
+                    return None
+    return captured
+
+
+def _pairs_agree(pairs, mapping, idiom: Idiom, captured: dict) -> bool:
+    for p, m in pairs:
+        if isinstance(p, fx.Node) and p in idiom.scalar_inputs:
+            if isinstance(m, bool) or not isinstance(m, (int, float)):
+                return False
+            name = idiom.scalar_inputs[p]
+            if name in captured and not _same_number(captured[name], m):
+                return False
+            captured[name] = m
+        elif isinstance(p, fx.Node):
+            if mapping.get(p) is not m:
+                return False
+        elif not _same_number(p, m):
+            return False
+    return True
+
+
+def _find(idiom: Idiom, root: fx.Node, canon) -> tuple[dict, dict] | None:
+    local = {root}
+    frontier = [root]
+    for _ in range(idiom.depth):
+        frontier = [o for n in frontier for o in _operands(n, canon) if isinstance(o, fx.Node) and o not in local]
+        local.update(frontier)
+    model = _dag(local, canon)
+
+    def node_match(model_attrs, pattern_attrs):
+        return pattern_attrs["label"][0] == "placeholder" or model_attrs["label"] == pattern_attrs["label"]
+
+    # Operand positions (and commutativity) are checked on the mapping, in _match_scalars.
+    matcher = DiGraphMatcher(model, idiom.graph, node_match=node_match)
+    for inverse in matcher.subgraph_monomorphisms_iter():
+        mapping = {p: m for m, p in inverse.items()}
+        if mapping.get(idiom.root) is not root:
+            continue
+        captured = _match_scalars(idiom, mapping, canon)
+        if captured is not None:
+            return mapping, captured
+    return None
+
+
+def apply_idioms(gm: fx.GraphModule, canon: dict[fx.Node, Canonical]) -> None:
+    """Record each idiom found in `gm` as one canonical op at its root, covering its interior nodes."""
+    from . import patterns  # noqa: F401  (registers the built-in idioms)
+
+    by_root_label: dict[Any, list[Idiom]] = {}
+    for known in IDIOMS:
+        by_root_label.setdefault(_label(known.root, known.canon), []).append(known)
+    for node in list(gm.graph.nodes):
+        for candidate in by_root_label.get(_label(node, canon), ()):
+            found = _find(candidate, node, canon)
+            if found is None:
+                continue
+            mapping, captured = found
+            interior = [m for p, m in mapping.items() if p.op != "placeholder" and m is not node]
+            if any(user not in interior and user is not node for m in interior for user in m.users):
+                logger.debug("idiom %s at %s: an interior value is used elsewhere", candidate.op, node.name)
+                continue
+            operands = tuple(mapping[p] for p in candidate.tensor_inputs)
+            canon[node] = Canonical(candidate.op, operands, {**candidate.attrs, **captured}, covers=tuple(interior))
+            logger.debug("idiom %s found at %s", candidate.op, node.name)
+            break

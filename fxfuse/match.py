@@ -1,0 +1,430 @@
+"""Matching: grow a fusible region from each GEMM anchor over the canonical graph, and prove it legal.
+
+Entry point: ``find_region(gm, anchor, canon, facts) -> (Region | None, [NearMiss])``.
+
+A region is the anchor (``linear``) plus epilogue ops reachable from it. Growth admits, in graph order, the
+users of region values whose canonical op is in the vocabulary and whose other operands are outside tensors
+that do not depend on the region (else fusing would create a cycle), numbers, or None. Each admitted
+prefix is a candidate; the largest one whose only value used outside it is its last one is kept. Before
+fusing, ``prove_legal`` checks that the region is convex and has a single output with networkx.
+"""
+from __future__ import annotations
+
+import heapq
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import networkx as nx
+import torch
+import torch.fx as fx
+
+from .canonicalize import COVERED, IDENTITY, LINEAR, Attr, Canonical
+from .epilogue import EPILOGUE_OPS, NORM, POINTWISE, REDUCTION
+from .program import Instruction, Param, Program, Value
+
+logger = logging.getLogger("fxfuse")
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Canonical attributes that steer matching but are not part of the op's program signature.
+MATCHING_ATTRS = ("transpose_weight", "addmm_bias", "rank_needed")
+
+
+@dataclass
+class Region:
+    anchor: fx.Node
+    members: list[fx.Node]           # every fx node the fused op replaces
+    output: fx.Node
+    x: Any
+    weight: Any                      # fx.Node | Attr
+    transpose_weight: bool
+    bias: Any                        # fx.Node | Attr | None
+    params: list[Any]                # fx.Node | Attr, in $k order
+    program: Program
+
+
+@dataclass
+class NearMiss:
+    anchor: fx.Node
+    node: fx.Node
+    reason: str
+
+
+# ---------------------------------------------------------------- facts about tensors
+
+@dataclass
+class Facts:
+    """What is known of a graph's tensors: module attributes always; shapes when example inputs were given."""
+    gm: fx.GraphModule
+    position: dict[fx.Node, int] = field(default_factory=dict)
+
+    def tensor(self, obj) -> torch.Tensor | None:
+        """A real or fake tensor with the shape and dtype of `obj`, or None if unknown."""
+        if isinstance(obj, Attr):
+            value = _get_attr(self.gm, obj.path)
+            return value if isinstance(value, torch.Tensor) else None
+        if not isinstance(obj, fx.Node):
+            return None
+        if obj.op == "get_attr":
+            value = _get_attr(self.gm, obj.target)
+            return value if isinstance(value, torch.Tensor) else None
+        for key in ("val", "example_value"):
+            value = obj.meta.get(key)
+            if isinstance(value, torch.Tensor):
+                return value
+        meta = obj.meta.get("tensor_meta")
+        if meta is not None and hasattr(meta, "shape"):
+            return torch.empty(meta.shape, dtype=meta.dtype, device="meta")
+        return None
+
+    def is_tensor(self, obj) -> bool | None:
+        """True/False when known, None when it can't be told without example inputs."""
+        if self.tensor(obj) is not None:
+            return True
+        if isinstance(obj, fx.Node) and any(k in obj.meta for k in ("val", "example_value", "tensor_meta")):
+            return False
+        if isinstance(obj, fx.Node) and obj.op == "get_attr":
+            return False
+        return None
+
+    def rank(self, obj) -> int | None:
+        t = self.tensor(obj)
+        return None if t is None else t.dim()
+
+
+def _get_attr(gm: fx.GraphModule, path: str):
+    value: Any = gm
+    for part in path.split("."):
+        value = getattr(value, part, None)
+        if value is None:
+            return None
+    return value
+
+
+def describe(obj) -> str:
+    return f"`{obj.name}`" if isinstance(obj, fx.Node) else f"`{obj}`"
+
+
+# ---------------------------------------------------------------- growth
+
+class _Growth:
+    """The state of one region while it grows from its anchor."""
+
+    def __init__(self, gm, anchor, canon, facts: Facts):
+        self.gm, self.anchor, self.canon, self.facts = gm, anchor, canon, facts
+        self.members: list[fx.Node] = []
+        self.member_set: set[fx.Node] = set()
+        self.value: dict[fx.Node, int] = {}     # fx node -> program value index
+        self.rank: dict[int, int | None] = {}   # value index -> rank, when known
+        self.reduced: set[int] = set()          # values that are one number per row
+        self.instructions: list[Instruction] = []
+        self.params: list[Any] = []
+        self.misses: list[NearMiss] = []
+
+    # -- operands
+
+    def param(self, obj) -> Param:
+        for i, known in enumerate(self.params):
+            if known is obj or (isinstance(obj, Attr) and known == obj):
+                return Param(i)
+        self.params.append(obj)
+        return Param(len(self.params) - 1)
+
+    def depends_on_region(self, node: fx.Node) -> fx.Node | None:
+        """A region member that `node` is computed from (so fusing would make a cycle), or None."""
+        start = self.facts.position[self.anchor]
+        seen, stack = set(), [node]
+        while stack:
+            current = stack.pop()
+            for source in current.all_input_nodes:
+                if source in self.member_set:
+                    return current
+                if source not in seen and self.facts.position.get(source, -1) > start:
+                    seen.add(source)
+                    stack.append(source)
+        return None
+
+    def outside_operand_problem(self, operand, dtype) -> str | None:
+        if isinstance(operand, fx.Node):
+            through = self.depends_on_region(operand)
+            if through is not None:
+                return (f"operand {describe(operand)} depends on the region's own output through "
+                        f"{describe(through)}, so fusing would create a cycle")
+            known = self.facts.is_tensor(operand)
+            if known is False:
+                return f"operand {describe(operand)} is not a tensor"
+            if known is None and operand.op not in ("placeholder", "call_module"):
+                return f"cannot prove that {describe(operand)} is a tensor without example inputs"
+        tensor = self.facts.tensor(operand)
+        if tensor is not None and tensor.dtype != dtype:
+            return (f"operand {describe(operand)} is {_dtype_name(tensor.dtype)} while the GEMM is "
+                    f"{_dtype_name(dtype)} (eager would promote the result)")
+        return None
+
+    # -- admission
+
+    def admit_anchor(self) -> str | None:
+        c: Canonical = self.canon[self.anchor]
+        x, weight, bias = c.operands
+        weight_tensor = self.facts.tensor(weight)
+        if weight_tensor is None or weight_tensor.dim() != 2:
+            return f"the weight {describe(weight)} is not a known 2-D tensor"
+        self.dtype = weight_tensor.dtype
+        if self.dtype not in SUPPORTED_DTYPES:
+            return f"{_dtype_name(self.dtype)} is not supported"
+        x_tensor = self.facts.tensor(x)
+        if x_tensor is not None:
+            if x_tensor.dtype != self.dtype:
+                return f"the input is {_dtype_name(x_tensor.dtype)} but the weight is {_dtype_name(self.dtype)}"
+            if x_tensor.dim() < 2:
+                return f"the input has {x_tensor.dim()} dim; a GEMM anchor needs 2 or more"
+        self.features = weight_tensor.shape[1 if c.attrs["transpose_weight"] else 0]
+        for name, obj in (("bias", bias), ("input", x)):
+            if isinstance(obj, fx.Node) and self.facts.is_tensor(obj) is False:
+                return f"the {name} {describe(obj)} is not a tensor"
+        self.x, self.weight, self.bias = x, weight, bias
+        self.transpose_weight = c.attrs["transpose_weight"]
+        self.add_member(self.anchor, c)
+        self.value[self.anchor] = 0
+        self.rank[0] = None if x_tensor is None else x_tensor.dim()
+        addmm_bias = c.attrs.get("addmm_bias")
+        if addmm_bias is not None:  # addmm's input broadcasts like an added tensor
+            problem = self.outside_operand_problem(addmm_bias, self.dtype)
+            if problem:
+                return problem
+            self.emit(self.anchor, "add", (Value(0), self.param(addmm_bias)), (), rank=self.rank[0])
+        return None
+
+    def add_member(self, node, c: Canonical):
+        for member in (node, *c.covers):
+            self.members.append(member)
+            self.member_set.add(member)
+
+    def emit(self, node, op, operands, attrs, rank, reduced=False):
+        self.instructions.append(Instruction(op, tuple(operands), tuple(attrs)))
+        index = len(self.instructions)
+        self.value[node] = index
+        self.rank[index] = rank
+        if reduced:
+            self.reduced.add(index)
+
+    def admit(self, node: fx.Node) -> str | None:
+        """Add `node` to the region, or say why it can't be added."""
+        c = self.canon.get(node)
+        if c is None:
+            return f"{describe(node)} ({_target_name(node)}) is not an epilogue op"
+        if c.problem:
+            return c.problem
+        if c.op == LINEAR:
+            return f"{describe(node)} is another GEMM"
+        if c.inplace_of is not None and c.inplace_of not in self.member_set:
+            return f"in-place {describe(node)} mutates {describe(c.inplace_of)}, which is outside the region"
+        operands = []
+        for operand in c.operands:
+            if isinstance(operand, fx.Node) and operand in self.value:
+                operands.append(Value(self.value[operand]))
+            elif isinstance(operand, (fx.Node, Attr)):
+                problem = self.outside_operand_problem(operand, self.dtype)
+                if problem:
+                    return problem
+                operands.append(self.param(operand))
+            else:
+                operands.append(operand)
+        values = [o for o in operands if isinstance(o, Value)]
+        if not values:
+            return f"{describe(node)} reads no value of the region"
+        if c.op == IDENTITY:
+            self.add_member(node, c)
+            self.value[node] = values[0].index
+            return None
+        spec = EPILOGUE_OPS[c.op]
+        rank = self.result_rank(operands)
+        problem = self.row_local_problem(node, c, spec, values[0].index, rank)
+        if problem:
+            return problem
+        attrs = tuple(c.attrs[name] for name in spec.attrs)
+        reduces = spec.kind == REDUCTION
+        if reduces and rank is not None and not c.attrs["keepdim"]:
+            rank -= 1
+        self.add_member(node, c)
+        self.emit(node, c.op, operands, attrs, rank, reduced=reduces or any(v.index in self.reduced for v in values))
+        return None
+
+    def result_rank(self, operands) -> int | None:
+        ranks = []
+        for o in operands:
+            if isinstance(o, Value):
+                ranks.append(self.rank[o.index])
+            elif isinstance(o, Param):
+                ranks.append(self.facts.rank(self.params[o.index]))
+        return None if any(r is None for r in ranks) else max(ranks, default=None)
+
+    def row_local_problem(self, node, c: Canonical, spec, input_index: int, rank: int | None) -> str | None:
+        """Norms and reductions must work within each row of the GEMM output; say why not if they don't."""
+        if spec.kind == POINTWISE and c.op != "batch_norm":
+            return None
+        name = c.op
+        if input_index in self.reduced:
+            return f"{name} of {describe(node.args[0] if node.args else node)} works on an already reduced value"
+        if c.op in ("group_norm", "batch_norm") and rank is not None and rank != 2:
+            return f"{name} on a {rank}-D output normalizes over dim 1, not the features"
+        if c.op == "group_norm":
+            groups = c.attrs["num_groups"]
+            if groups <= 0 or self.features % groups:
+                return f"group_norm: {self.features} channels not divisible by {groups} groups"
+        needed = c.attrs.get("rank_needed")
+        if needed is not None and rank not in needed:
+            return (f"{describe(node)} is a per-row norm only on {' or '.join(f'{r}-D' for r in needed)} "
+                    f"outputs; the rank is {'unknown (pass example inputs)' if rank is None else rank}")
+        for name_ in spec.operands:
+            if name_ in spec.feature_operands:
+                operand = c.operands[spec.operands.index(name_)]
+                t = self.facts.tensor(operand)
+                if t is not None and tuple(t.shape) != (self.features,):
+                    return f"{c.op}'s {name_} has shape {tuple(t.shape)}, not ({self.features},)"
+        if spec.feature_dim_attr:
+            dim = c.attrs[spec.feature_dim_attr]
+            if dim != -1 and rank is not None and dim != rank - 1:
+                return f"{c.op} over dim {dim} of a {rank}-D value, not the features (dim {rank - 1})"
+        return None
+
+    # -- validity of the current prefix
+
+    def escaping(self) -> list[tuple[fx.Node, fx.Node]]:
+        """(member, outside user) pairs: values that leave the region."""
+        return [(m, u) for m in self.members for u in m.users if u not in self.member_set]
+
+    def output_if_valid(self) -> fx.Node | None:
+        if not self.instructions:
+            return None
+        last = next(m for m in reversed(self.members) if m in self.value)
+        leaving = {m for m, _ in self.escaping()}
+        if leaving - {last} or self.value[last] != len(self.instructions):
+            return None
+        return last
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _target_name(node: fx.Node) -> str:
+    if node.op == "output":
+        return "the graph output"
+    target = node.target
+    return getattr(target, "__name__", str(target))
+
+
+def find_region(gm: fx.GraphModule, anchor: fx.Node, canon, facts: Facts):
+    """Grow the largest legal region from `anchor`. Returns (Region or None, near misses)."""
+    growth = _Growth(gm, anchor, canon, facts)
+    problem = growth.admit_anchor()
+    if problem:
+        logger.debug("anchor %s: not fusible: %s", anchor.name, problem)
+        return None, [NearMiss(anchor, anchor, problem)]
+    best = None
+    first_cut_reason = None
+    rejected: dict[fx.Node, str] = {}
+    heap = [(facts.position[u], u) for u in anchor.users]
+    heap += [(facts.position[u], u) for m in growth.members for u in m.users if u not in growth.member_set]
+    heapq.heapify(heap)
+    while heap:
+        _, node = heapq.heappop(heap)
+        covering = canon.get(node)
+        if covering is not None and covering.op == COVERED:  # e.g. torch.min(...) is fused through its [0]
+            node = covering.operands[0]
+        if node in growth.member_set or node in rejected:
+            continue
+        snapshot = growth_snapshot(growth)
+        problem = growth.admit(node)
+        if problem:
+            rejected[node] = problem
+            restore(growth, snapshot)
+            logger.debug("anchor %s: %s not admitted: %s", anchor.name, node.name, problem)
+            continue
+        logger.debug("anchor %s: admitted %s", anchor.name, node.name)
+        for member in growth.members[snapshot[0]:]:
+            for user in member.users:
+                if user not in growth.member_set:
+                    heapq.heappush(heap, (facts.position[user], user))
+        output = growth.output_if_valid()
+        if output is not None:
+            best = (growth_snapshot(growth), output)
+            first_cut_reason = None
+        elif first_cut_reason is None and best is not None:
+            first_cut_reason = _escape_reason(growth, best[1])
+    misses = [NearMiss(anchor, node, reason) for node, reason in rejected.items()
+              if node.op != "output" and (best is None or node not in best_members(growth, best))]
+    if best is None:
+        if not misses:
+            misses = [NearMiss(anchor, anchor, "no epilogue op follows the GEMM")]
+        return None, _keep_relevant(misses, growth)
+    (n_members, n_instructions, n_params), output = best
+    if n_members < len(growth.members) and first_cut_reason:
+        misses.insert(0, NearMiss(anchor, growth.members[n_members], first_cut_reason))
+    region = Region(anchor, growth.members[:n_members], output, growth.x, growth.weight, growth.transpose_weight,
+                    growth.bias, growth.params[:n_params], Program(tuple(growth.instructions[:n_instructions])))
+    problem = prove_legal(gm, region, facts)
+    if problem:
+        return None, [NearMiss(anchor, anchor, problem)]
+    return region, _keep_relevant(misses, growth, region)
+
+
+def _keep_relevant(misses, growth, region=None):
+    """Keep the misses that stopped the region: ops fed by the region, not every later node."""
+    members = set(region.members) if region else growth.member_set
+    return [m for m in misses if m.node is m.anchor or any(i in members for i in m.node.all_input_nodes)]
+
+
+def best_members(growth, best):
+    return set(growth.members[:best[0][0]])
+
+
+def _escape_reason(growth: _Growth, output: fx.Node) -> str:
+    for member, user in growth.escaping():
+        if member is not growth.members[-1]:
+            return f"intermediate {describe(member)} is also used by {describe(user)}"
+    return "the region would have more than one output"
+
+
+def growth_snapshot(growth: _Growth):
+    return len(growth.members), len(growth.instructions), len(growth.params)
+
+
+def restore(growth: _Growth, snapshot):
+    n_members, n_instructions, n_params = snapshot
+    for member in growth.members[n_members:]:
+        growth.member_set.discard(member)
+        growth.value.pop(member, None)
+    del growth.members[n_members:]
+    del growth.instructions[n_instructions:]
+    del growth.params[n_params:]
+    for index in [i for i in growth.rank if i > n_instructions]:
+        del growth.rank[index]
+        growth.reduced.discard(index)
+
+
+# ---------------------------------------------------------------- legality proof
+
+def prove_legal(gm: fx.GraphModule, region: Region, facts: Facts) -> str | None:
+    """Convexity (no path leaves the region and re-enters it) and a single output, checked with networkx."""
+    members = set(region.members)
+    first = min(members, key=facts.position.get)
+    high = max(facts.position[m] for m in members)
+    window = [first]
+    while facts.position[window[-1]] < high:
+        window.append(window[-1].next)
+    dag = nx.DiGraph()
+    dag.add_nodes_from(window)
+    dag.add_edges_from((source, n) for n in window for source in n.all_input_nodes if source in dag)
+    downstream = set().union(*(nx.descendants(dag, m) for m in members)) - members
+    upstream = set().union(*(nx.ancestors(dag, m) for m in members)) - members
+    between = downstream & upstream
+    if between:
+        node = min(between, key=facts.position.get)
+        return f"the region is not convex: {describe(node)} lies on a path between its members"
+    leaving = {m for m in members for u in m.users if u not in members}
+    if leaving - {region.output}:
+        node = next(iter(leaving - {region.output}))
+        return f"intermediate {describe(node)} is used outside the region"
+    return None

@@ -1,0 +1,90 @@
+"""Rewriting: the pass that replaces each legal region of a GraphModule with one fused-op call.
+
+Entry point: ``fuse_graph(gm) -> Report``; it rewrites ``gm`` in place. The same pass serves ``optimize()``
+(graphs from symbolic tracing) and the torch.compile backend (graphs from Dynamo).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.fx as fx
+
+from .canonicalize import LINEAR, Attr, canonicalize
+from .library import gemm_epilogue
+from .match import Facts, Region, find_region
+from .report import FusedRow, MissRow, Report
+
+logger = logging.getLogger("fxfuse")
+
+
+def location_of(node: fx.Node) -> str:
+    """The module path a node belongs to, for reports."""
+    if node.op == "call_module":
+        return str(node.target)
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        path = list(stack.values())[-1]
+        path = path[0] if isinstance(path, tuple) else path
+        return str(path).replace("L['self'].", "").replace("L__self___", "") or "<model>"
+    return "<model>"
+
+
+def _tensor_node(graph: fx.Graph, obj):
+    return graph.get_attr(obj.path) if isinstance(obj, Attr) else obj
+
+
+def _replace(gm: fx.GraphModule, region: Region, position: dict) -> fx.Node:
+    graph = gm.graph
+    last = max(region.members, key=position.get)
+    after = last.next
+    with graph.inserting_before(after):
+        weight = _tensor_node(graph, region.weight)
+        if region.transpose_weight:
+            weight = graph.call_function(torch.t, (weight,))
+        args = (region.x, weight, _tensor_node(graph, region.bias),
+                [_tensor_node(graph, p) for p in region.params], str(region.program))
+        fused = graph.call_function(gemm_epilogue, args)
+    fused.meta.update({k: v for k, v in region.output.meta.items() if k in ("val", "tensor_meta", "example_value",
+                                                                            "nn_module_stack", "stack_trace")})
+    region.output.replace_all_uses_with(fused)
+    # New nodes get fractional positions between `last` and `after`, so graph order stays known.
+    new_nodes, node = [], last.next
+    while node is not after:
+        new_nodes.append(node)
+        node = node.next
+    for i, new in enumerate(new_nodes, 1):
+        position[new] = position[last] + i / (len(new_nodes) + 1)
+    for member in sorted(region.members, key=position.get, reverse=True):
+        graph.erase_node(member)
+        del position[member]
+    return fused
+
+
+def fuse_graph(gm: fx.GraphModule, where: str = "") -> Report:
+    """Fuse every legal GEMM-epilogue region of `gm`, in graph order. Returns what was done and not done."""
+    report = Report()
+    canon = canonicalize(gm)
+    facts = Facts(gm)
+    facts.position = {node: i for i, node in enumerate(gm.graph.nodes)}
+    prefix = f"{where}." if where else ""
+    anchors = [n for n, c in canon.items() if c.op == LINEAR and c.problem is None]
+    for anchor in anchors:
+        if anchor not in facts.position:  # replaced as part of an earlier region
+            continue
+        region, misses = find_region(gm, anchor, canon, facts)
+        location = prefix + location_of(anchor)
+        for miss in misses:
+            report.near_misses.append(MissRow(f"{location} ({anchor.name})", miss.node.name, miss.reason))
+        if region is None:
+            continue
+        replaced = [m.name for m in sorted(region.members, key=facts.position.get)]
+        fused = _replace(gm, region, facts.position)
+        logger.info("fused %s at %s: %s", ", ".join(replaced), location, region.program)
+        report.fused.append(FusedRow(f"{location} ({anchor.name})", replaced, str(region.program), fused.name))
+    for node, c in canon.items():
+        if c.op == LINEAR and c.problem and node in facts.position:
+            report.near_misses.append(MissRow(prefix + location_of(node), node.name, c.problem))
+    gm.graph.lint()
+    gm.recompile()
+    return report

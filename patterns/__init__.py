@@ -1,0 +1,35 @@
+"""The built-in idiom library: multi-node spellings of one canonical epilogue op.
+
+Entry point: importing ``fxfuse.patterns`` registers these idioms. Declare your own the same way, in your
+own code, with ``fxfuse.idiom``; see ``fxfuse.idioms`` for the rules (positional parameters are tensors,
+keyword-only parameters are captured numbers).
+"""
+import torch
+import torch.nn.functional as F
+
+from fxfuse.idioms import idiom
+
+
+@idiom("silu")
+def silu_from_sigmoid(x):
+    return x * torch.sigmoid(x)
+
+
+@idiom("mish")
+def mish_from_softplus(x):
+    return x * torch.tanh(F.softplus(x))
+
+
+@idiom("hardswish")
+def hardswish_from_relu6(x):
+    return x * F.relu6(x + 3.0) / 6.0
+
+
+@idiom("gelu", approximate="tanh")
+def gelu_tanh_spelled_out(x):
+    return 0.5 * x * (1.0 + torch.tanh(0.7978845608028654 * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+@idiom("elu", scale=1.0, input_scale=1.0)
+def elu_from_where(x, *, alpha):
+    return torch.where(x > 0, x, alpha * (torch.exp(x) - 1.0))
