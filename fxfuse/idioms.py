@@ -150,7 +150,17 @@ def _pairs_agree(pairs, mapping, idiom: Idiom, captured: dict) -> bool:
     return True
 
 
+def _root_operands_fit(idiom: Idiom, root: fx.Node, canon) -> bool:
+    """A cheap necessary condition before VF2: the idiom root's operand ops appear among the node's."""
+    wanted = {idiom.graph.nodes[p]["label"] for p in idiom.graph.predecessors(idiom.root)}
+    wanted.discard(("placeholder", None))
+    have = {_label(o, canon) for o in _operands(root, canon) if isinstance(o, fx.Node)}
+    return wanted <= have
+
+
 def _find(idiom: Idiom, root: fx.Node, canon) -> tuple[dict, dict] | None:
+    if not _root_operands_fit(idiom, root, canon):
+        return None
     local = {root}
     frontier = [root]
     for _ in range(idiom.depth):

@@ -57,6 +57,11 @@ class Facts:
     """What is known of a graph's tensors: module attributes always; shapes when example inputs were given."""
     gm: fx.GraphModule
     position: dict[fx.Node, int] = field(default_factory=dict)
+    # Region outputs already replaced by a fused node: canonical records made before still name the old node.
+    replaced: dict[fx.Node, fx.Node] = field(default_factory=dict)
+
+    def resolve(self, obj):
+        return self.replaced.get(obj, obj) if isinstance(obj, fx.Node) else obj
 
     def tensor(self, obj) -> torch.Tensor | None:
         """A real or fake tensor with the shape and dtype of `obj`, or None if unknown."""
@@ -165,7 +170,7 @@ class _Growth:
 
     def admit_anchor(self) -> str | None:
         c: Canonical = self.canon[self.anchor]
-        x, weight, bias = c.operands
+        x, weight, bias = (self.facts.resolve(o) for o in c.operands)
         weight_tensor = self.facts.tensor(weight)
         if weight_tensor is None or weight_tensor.dim() != 2:
             return f"the weight {describe(weight)} is not a known 2-D tensor"
@@ -187,7 +192,7 @@ class _Growth:
         self.add_member(self.anchor, c)
         self.value[self.anchor] = 0
         self.rank[0] = None if x_tensor is None else x_tensor.dim()
-        addmm_bias = c.attrs.get("addmm_bias")
+        addmm_bias = self.facts.resolve(c.attrs.get("addmm_bias"))
         if addmm_bias is not None:  # addmm's input broadcasts like an added tensor
             problem = self.outside_operand_problem(addmm_bias, self.dtype)
             if problem:
@@ -217,10 +222,11 @@ class _Growth:
             return c.problem
         if c.op == LINEAR:
             return f"{describe(node)} is another GEMM"
-        if c.inplace_of is not None and c.inplace_of not in self.member_set:
-            return f"in-place {describe(node)} mutates {describe(c.inplace_of)}, which is outside the region"
+        mutated = self.facts.resolve(c.inplace_of)
+        if mutated is not None and mutated not in self.member_set:
+            return f"in-place {describe(node)} mutates {describe(mutated)}, which is outside the region"
         operands = []
-        for operand in c.operands:
+        for operand in map(self.facts.resolve, c.operands):
             if isinstance(operand, fx.Node) and operand in self.value:
                 operands.append(Value(self.value[operand]))
             elif isinstance(operand, (fx.Node, Attr)):
@@ -278,7 +284,7 @@ class _Growth:
                     f"outputs; the rank is {'unknown (pass example inputs)' if rank is None else rank}")
         for name_ in spec.operands:
             if name_ in spec.feature_operands:
-                operand = c.operands[spec.operands.index(name_)]
+                operand = self.facts.resolve(c.operands[spec.operands.index(name_)])
                 t = self.facts.tensor(operand)
                 if t is not None and tuple(t.shape) != (self.features,):
                     return f"{c.op}'s {name_} has shape {tuple(t.shape)}, not ({self.features},)"

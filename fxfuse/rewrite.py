@@ -80,6 +80,7 @@ def fuse_graph(gm: fx.GraphModule, where: str = "") -> Report:
             continue
         replaced = [m.name for m in sorted(region.members, key=facts.position.get)]
         fused = _replace(gm, region, facts.position)
+        facts.replaced[region.output] = fused
         logger.info("fused %s at %s: %s", ", ".join(replaced), location, region.program)
         report.fused.append(FusedRow(f"{location} ({anchor.name})", replaced, str(region.program), fused.name))
     for node, c in canon.items():
