@@ -85,7 +85,14 @@ def _optimize(model: nn.Module, example_inputs, path: str, report: Report) -> nn
         return result
     if example_inputs is not None:
         _propagate_shapes(gm, example_inputs)
-    report.extend(fuse_graph(gm, path))
+    try:
+        report.extend(fuse_graph(gm, path))
+    except Exception as error:  # never fail a model that runs in eager: keep it unfused, and say why
+        logger.warning("fxfuse: fusing %s failed (%s: %s); it runs unfused", path or "the model",
+                       type(error).__name__, error, exc_info=logger.isEnabledFor(logging.DEBUG))
+        report.skipped.append(MissRow(path or "<model>", type(model).__name__,
+                                      f"fxfuse error, left unfused: {type(error).__name__}: {error}"))
+        return _trace(model)
     return gm
 
 
