@@ -110,12 +110,19 @@ _unary("exp", (torch.exp,), _optional("exp_"), ("exp",))
 _unary("log", (torch.log,), _optional("log_"), ("log",))
 _unary("abs", (torch.abs, torch.absolute, operator.abs), _optional("abs_"), ("abs", "absolute"))
 _unary("neg", (torch.neg, torch.negative, operator.neg), _optional("neg_"), ("neg", "negative"))
-_unary("softplus", (F.softplus,), signature="(input, beta=1.0, threshold=20.0)")
 _unary(IDENTITY, (), (), ("contiguous",), signature="(input, memory_format=None)")
 
 
 def _inplace(a, inplace):
     return a["input"] if inplace else None
+
+
+@spelling("(input, beta=1.0, threshold=20.0)", functions=(F.softplus,))
+def _softplus(a, inplace):
+    # beta and threshold are attributes of the program: captured, not fixed to their defaults.
+    attrs = {"beta": _number(a["beta"], "softplus's beta"),
+             "threshold": _number(a["threshold"], "softplus's threshold")}
+    return Canonical("softplus", (a["input"],), attrs)
 
 
 @spelling("(input, approximate='none')", functions=(F.gelu,))

@@ -1,0 +1,352 @@
+"""Every spelling of every epilogue op of issue 2 fuses into one op, with the Linear, and matches eager.
+
+Each case is a GEMM (``self.fc``) followed by one op written in one spelling: module, functional, torch.*,
+tensor method, in-place, operator, keyword or positional arguments, alias, or a spelled-out idiom. The test
+checks that the whole model became a single fused op (nothing of the chain is left) whose program holds
+the canonical op the spelling stands for, and that the result matches eager in float32 (1e-5).
+"""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from epilogue_models import BATCH, IN, OUT, GemmThen, assert_whole_chain_fused, fused_programs
+
+
+def vector(n=OUT):
+    return nn.Parameter(torch.randn(n))
+
+
+def buffer(*shape):
+    return torch.randn(*shape)
+
+
+def case(name, canonical, epilogue, **extras):
+    """A test case: `epilogue(m, x, y)` must fuse to a program holding `canonical(`."""
+    return pytest.param(canonical, epilogue, extras, id=name)
+
+
+def inplace_add(m, x, y):
+    h = m.fc(x)
+    h += m.b
+    return h
+
+
+def inplace_sub(m, x, y):
+    h = m.fc(x)
+    h -= 0.5
+    return h
+
+
+def inplace_mul(m, x, y):
+    h = m.fc(x)
+    h *= m.b
+    return h
+
+
+def inplace_div(m, x, y):
+    h = m.fc(x)
+    h /= 3.0
+    return h
+
+
+def inplace_pow(m, x, y):
+    h = m.fc(x)
+    h **= 2
+    return h
+
+
+POINTWISE = [
+    # relu
+    case("nn.ReLU", "relu", lambda m, x, y: m.act(m.fc(x)), act=nn.ReLU()),
+    case("nn.ReLU-inplace", "relu", lambda m, x, y: m.act(m.fc(x)), act=nn.ReLU(inplace=True)),
+    case("F.relu", "relu", lambda m, x, y: F.relu(m.fc(x))),
+    case("F.relu-inplace-kw", "relu", lambda m, x, y: F.relu(m.fc(x), inplace=True)),
+    case("F.relu_", "relu", lambda m, x, y: F.relu_(m.fc(x))),
+    case("torch.relu", "relu", lambda m, x, y: torch.relu(m.fc(x))),
+    case("torch.relu_", "relu", lambda m, x, y: torch.relu_(m.fc(x))),
+    case("Tensor.relu", "relu", lambda m, x, y: m.fc(x).relu()),
+    case("Tensor.relu_", "relu", lambda m, x, y: m.fc(x).relu_()),
+    # relu6 and hardtanh are clamps
+    case("nn.ReLU6", "clamp", lambda m, x, y: m.act(m.fc(x) * 4), act=nn.ReLU6()),
+    case("nn.ReLU6-inplace", "clamp", lambda m, x, y: m.act(m.fc(x) * 4), act=nn.ReLU6(inplace=True)),
+    case("F.relu6", "clamp", lambda m, x, y: F.relu6(m.fc(x) * 4)),
+    case("nn.Hardtanh", "clamp", lambda m, x, y: m.act(m.fc(x)), act=nn.Hardtanh()),
+    case("nn.Hardtanh-bounds", "clamp", lambda m, x, y: m.act(m.fc(x)), act=nn.Hardtanh(-0.3, 0.2)),
+    case("nn.Hardtanh-kw-inplace", "clamp", lambda m, x, y: m.act(m.fc(x)),
+         act=nn.Hardtanh(min_val=-2.0, max_val=0.1, inplace=True)),
+    case("F.hardtanh", "clamp", lambda m, x, y: F.hardtanh(m.fc(x))),
+    case("F.hardtanh-positional", "clamp", lambda m, x, y: F.hardtanh(m.fc(x), -0.5, 0.5)),
+    case("F.hardtanh-kw", "clamp", lambda m, x, y: F.hardtanh(m.fc(x), max_val=0.25, min_val=-0.75)),
+    case("F.hardtanh_", "clamp", lambda m, x, y: F.hardtanh_(m.fc(x), -0.1, 0.1)),
+    case("torch.clamp", "clamp", lambda m, x, y: torch.clamp(m.fc(x), -0.5, 0.5)),
+    case("torch.clamp-kw", "clamp", lambda m, x, y: torch.clamp(m.fc(x), min=-0.5, max=0.5)),
+    case("torch.clamp-min-only", "clamp", lambda m, x, y: torch.clamp(m.fc(x), min=0.1)),
+    case("torch.clamp-max-only", "clamp", lambda m, x, y: torch.clamp(m.fc(x), max=-0.1)),
+    case("torch.clip", "clamp", lambda m, x, y: torch.clip(m.fc(x), -0.2, 0.3)),
+    case("Tensor.clamp", "clamp", lambda m, x, y: m.fc(x).clamp(-0.5, 0.5)),
+    case("Tensor.clip-kw", "clamp", lambda m, x, y: m.fc(x).clip(max=0.5)),
+    case("Tensor.clamp_", "clamp", lambda m, x, y: m.fc(x).clamp_(-0.5, 0.5)),
+    case("Tensor.clip_", "clamp", lambda m, x, y: m.fc(x).clip_(min=0.0)),
+    case("torch.clamp_", "clamp", lambda m, x, y: torch.clamp_(m.fc(x), -0.5, 0.5)),
+    case("torch.clamp_min", "clamp", lambda m, x, y: torch.clamp_min(m.fc(x), 0.1)),
+    case("Tensor.clamp_min", "clamp", lambda m, x, y: m.fc(x).clamp_min(0.1)),
+    case("Tensor.clamp_max_", "clamp", lambda m, x, y: m.fc(x).clamp_max_(-0.1)),
+    case("torch.clamp_max", "clamp", lambda m, x, y: torch.clamp_max(m.fc(x), 0.2)),
+    # leaky_relu
+    case("nn.LeakyReLU", "leaky_relu", lambda m, x, y: m.act(m.fc(x)), act=nn.LeakyReLU()),
+    case("nn.LeakyReLU-slope", "leaky_relu", lambda m, x, y: m.act(m.fc(x)), act=nn.LeakyReLU(0.2)),
+    case("nn.LeakyReLU-kw-inplace", "leaky_relu", lambda m, x, y: m.act(m.fc(x)),
+         act=nn.LeakyReLU(negative_slope=0.3, inplace=True)),
+    case("F.leaky_relu", "leaky_relu", lambda m, x, y: F.leaky_relu(m.fc(x))),
+    case("F.leaky_relu-positional", "leaky_relu", lambda m, x, y: F.leaky_relu(m.fc(x), 0.1)),
+    case("F.leaky_relu-kw", "leaky_relu", lambda m, x, y: F.leaky_relu(m.fc(x), negative_slope=0.1)),
+    case("F.leaky_relu_", "leaky_relu", lambda m, x, y: F.leaky_relu_(m.fc(x), 0.05)),
+    # elu family
+    case("nn.ELU", "elu", lambda m, x, y: m.act(m.fc(x)), act=nn.ELU()),
+    case("nn.ELU-alpha", "elu", lambda m, x, y: m.act(m.fc(x)), act=nn.ELU(alpha=0.5)),
+    case("nn.ELU-inplace", "elu", lambda m, x, y: m.act(m.fc(x)), act=nn.ELU(inplace=True)),
+    case("F.elu", "elu", lambda m, x, y: F.elu(m.fc(x), 0.7)),
+    case("F.elu_", "elu", lambda m, x, y: F.elu_(m.fc(x))),
+    case("nn.SELU", "elu", lambda m, x, y: m.act(m.fc(x)), act=nn.SELU()),
+    case("F.selu", "elu", lambda m, x, y: F.selu(m.fc(x))),
+    case("torch.selu", "elu", lambda m, x, y: torch.selu(m.fc(x))),
+    case("nn.CELU", "elu", lambda m, x, y: m.act(m.fc(x)), act=nn.CELU(0.7)),
+    case("F.celu-kw", "elu", lambda m, x, y: F.celu(m.fc(x), alpha=2.0)),
+    case("torch.celu", "elu", lambda m, x, y: torch.celu(m.fc(x))),
+    # gelu
+    case("nn.GELU", "gelu", lambda m, x, y: m.act(m.fc(x)), act=nn.GELU()),
+    case("nn.GELU-tanh", "gelu", lambda m, x, y: m.act(m.fc(x)), act=nn.GELU(approximate="tanh")),
+    case("F.gelu", "gelu", lambda m, x, y: F.gelu(m.fc(x))),
+    case("F.gelu-tanh", "gelu", lambda m, x, y: F.gelu(m.fc(x), approximate="tanh")),
+    case("gelu-tanh-spelled-out", "gelu", lambda m, x, y: (lambda h: 0.5 * h * (1.0 + torch.tanh(
+        0.7978845608028654 * (h + 0.044715 * torch.pow(h, 3.0)))))(m.fc(x))),
+    # silu
+    case("nn.SiLU", "silu", lambda m, x, y: m.act(m.fc(x)), act=nn.SiLU()),
+    case("nn.SiLU-inplace", "silu", lambda m, x, y: m.act(m.fc(x)), act=nn.SiLU(inplace=True)),
+    case("F.silu", "silu", lambda m, x, y: F.silu(m.fc(x))),
+    case("x*sigmoid(x)", "silu", lambda m, x, y: (lambda h: h * torch.sigmoid(h))(m.fc(x))),
+    case("sigmoid(x)*x", "silu", lambda m, x, y: (lambda h: torch.sigmoid(h) * h)(m.fc(x))),
+    case("x*x.sigmoid()", "silu", lambda m, x, y: (lambda h: h * h.sigmoid())(m.fc(x))),
+    case("torch.mul(x,F.sigmoid(x))", "silu", lambda m, x, y: (lambda h: torch.mul(h, F.sigmoid(h)))(m.fc(x))),
+    case("x.mul(sigmoid(x))", "silu", lambda m, x, y: (lambda h: h.mul(torch.sigmoid(h)))(m.fc(x))),
+    # mish
+    case("nn.Mish", "mish", lambda m, x, y: m.act(m.fc(x)), act=nn.Mish()),
+    case("F.mish", "mish", lambda m, x, y: F.mish(m.fc(x))),
+    case("x*tanh(softplus(x))", "mish", lambda m, x, y: (lambda h: h * torch.tanh(F.softplus(h)))(m.fc(x))),
+    case("tanh(softplus(x))*x", "mish", lambda m, x, y: (lambda h: torch.tanh(F.softplus(h)) * h)(m.fc(x))),
+    case("x*softplus(x).tanh()", "mish", lambda m, x, y: (lambda h: h * F.softplus(h).tanh())(m.fc(x))),
+    # sigmoid, tanh
+    case("nn.Sigmoid", "sigmoid", lambda m, x, y: m.act(m.fc(x)), act=nn.Sigmoid()),
+    case("torch.sigmoid", "sigmoid", lambda m, x, y: torch.sigmoid(m.fc(x))),
+    case("F.sigmoid", "sigmoid", lambda m, x, y: F.sigmoid(m.fc(x))),
+    case("Tensor.sigmoid", "sigmoid", lambda m, x, y: m.fc(x).sigmoid()),
+    case("Tensor.sigmoid_", "sigmoid", lambda m, x, y: m.fc(x).sigmoid_()),
+    case("torch.sigmoid_", "sigmoid", lambda m, x, y: torch.sigmoid_(m.fc(x))),
+    case("nn.Tanh", "tanh", lambda m, x, y: m.act(m.fc(x)), act=nn.Tanh()),
+    case("torch.tanh", "tanh", lambda m, x, y: torch.tanh(m.fc(x))),
+    case("F.tanh", "tanh", lambda m, x, y: F.tanh(m.fc(x))),
+    case("Tensor.tanh", "tanh", lambda m, x, y: m.fc(x).tanh()),
+    case("Tensor.tanh_", "tanh", lambda m, x, y: m.fc(x).tanh_()),
+    # softplus
+    case("nn.Softplus", "softplus", lambda m, x, y: m.act(m.fc(x)), act=nn.Softplus()),
+    case("nn.Softplus-beta-threshold", "softplus", lambda m, x, y: m.act(m.fc(x)),
+         act=nn.Softplus(beta=2.0, threshold=0.5)),
+    case("F.softplus", "softplus", lambda m, x, y: F.softplus(m.fc(x))),
+    case("F.softplus-positional", "softplus", lambda m, x, y: F.softplus(m.fc(x), 0.5, 1.0)),
+    case("F.softplus-kw", "softplus", lambda m, x, y: F.softplus(m.fc(x), threshold=0.2, beta=3.0)),
+    # hardswish, hardsigmoid
+    case("nn.Hardswish", "hardswish", lambda m, x, y: m.act(m.fc(x) * 4), act=nn.Hardswish()),
+    case("F.hardswish", "hardswish", lambda m, x, y: F.hardswish(m.fc(x) * 4)),
+    case("x*relu6(x+3)/6", "hardswish", lambda m, x, y: (lambda h: h * F.relu6(h + 3.0) / 6.0)(m.fc(x) * 4)),
+    case("nn.Hardsigmoid", "hardsigmoid", lambda m, x, y: m.act(m.fc(x) * 4), act=nn.Hardsigmoid()),
+    case("F.hardsigmoid", "hardsigmoid", lambda m, x, y: F.hardsigmoid(m.fc(x) * 4)),
+    # exp, log, abs, neg, pow
+    case("torch.exp", "exp", lambda m, x, y: torch.exp(m.fc(x))),
+    case("Tensor.exp", "exp", lambda m, x, y: m.fc(x).exp()),
+    case("Tensor.exp_", "exp", lambda m, x, y: m.fc(x).exp_()),
+    case("torch.log", "log", lambda m, x, y: torch.log(m.fc(x).abs())),
+    case("Tensor.log", "log", lambda m, x, y: m.fc(x).exp().log()),
+    case("Tensor.log_", "log", lambda m, x, y: m.fc(x).abs().log_()),
+    case("torch.abs", "abs", lambda m, x, y: torch.abs(m.fc(x))),
+    case("torch.absolute", "abs", lambda m, x, y: torch.absolute(m.fc(x))),
+    case("abs()", "abs", lambda m, x, y: abs(m.fc(x))),
+    case("Tensor.abs_", "abs", lambda m, x, y: m.fc(x).abs_()),
+    case("-x", "neg", lambda m, x, y: -m.fc(x)),
+    case("torch.neg", "neg", lambda m, x, y: torch.neg(m.fc(x))),
+    case("torch.negative", "neg", lambda m, x, y: torch.negative(m.fc(x))),
+    case("Tensor.neg_", "neg", lambda m, x, y: m.fc(x).neg_()),
+    case("x**2", "pow", lambda m, x, y: m.fc(x) ** 2),
+    case("x**0.5", "pow", lambda m, x, y: m.fc(x).abs() ** 0.5),
+    case("torch.pow", "pow", lambda m, x, y: torch.pow(m.fc(x), 3)),
+    case("torch.pow-kw", "pow", lambda m, x, y: torch.pow(m.fc(x), exponent=2.0)),
+    case("Tensor.pow", "pow", lambda m, x, y: m.fc(x).pow(2)),
+    case("Tensor.pow_", "pow", lambda m, x, y: m.fc(x).pow_(2)),
+    case("x**=2", "pow", inplace_pow),
+    # add, sub, mul, div: scalars, per-feature vectors, parameters and buffers that broadcast
+    case("x+param", "add", lambda m, x, y: m.fc(x) + m.b, b=vector()),
+    case("param+x", "add", lambda m, x, y: m.b + m.fc(x), b=vector()),
+    case("x+buffer", "add", lambda m, x, y: m.fc(x) + m.b, b=buffer(OUT)),
+    case("x+(1,N)-buffer", "add", lambda m, x, y: m.fc(x) + m.b, b=buffer(1, OUT)),
+    case("x+(B,1)-buffer", "add", lambda m, x, y: m.fc(x) + m.b, b=buffer(BATCH, 1)),
+    case("x+scalar", "add", lambda m, x, y: m.fc(x) + 1.5),
+    case("int+x", "add", lambda m, x, y: 2 + m.fc(x)),
+    case("torch.add", "add", lambda m, x, y: torch.add(m.fc(x), m.b), b=vector()),
+    case("torch.add-kw", "add", lambda m, x, y: torch.add(input=m.fc(x), other=m.b), b=vector()),
+    case("torch.add-alpha-scalar", "add", lambda m, x, y: torch.add(m.fc(x), 0.5, alpha=3)),
+    case("Tensor.add", "add", lambda m, x, y: m.fc(x).add(m.b), b=vector()),
+    case("Tensor.add_", "add", lambda m, x, y: m.fc(x).add_(m.b), b=vector()),
+    case("x+=param", "add", inplace_add, b=vector()),
+    case("x-param", "sub", lambda m, x, y: m.fc(x) - m.b, b=vector()),
+    case("param-x", "sub", lambda m, x, y: m.b - m.fc(x), b=vector()),
+    case("scalar-x", "sub", lambda m, x, y: 2.0 - m.fc(x)),
+    case("torch.sub", "sub", lambda m, x, y: torch.sub(m.fc(x), m.b), b=vector()),
+    case("torch.subtract", "sub", lambda m, x, y: torch.subtract(m.fc(x), 0.25)),
+    case("torch.rsub", "sub", lambda m, x, y: torch.rsub(m.fc(x), 1.0)),
+    case("Tensor.sub_", "sub", lambda m, x, y: m.fc(x).sub_(m.b), b=vector()),
+    case("x-=scalar", "sub", inplace_sub),
+    case("x*param", "mul", lambda m, x, y: m.fc(x) * m.b, b=vector()),
+    case("scalar*x", "mul", lambda m, x, y: 0.5 * m.fc(x)),
+    case("torch.mul", "mul", lambda m, x, y: torch.mul(m.fc(x), m.b), b=vector()),
+    case("torch.multiply", "mul", lambda m, x, y: torch.multiply(m.fc(x), 2.0)),
+    case("Tensor.mul_", "mul", lambda m, x, y: m.fc(x).mul_(m.b), b=vector()),
+    case("x*=param", "mul", inplace_mul, b=vector()),
+    case("x/param", "div", lambda m, x, y: m.fc(x) / m.b, b=nn.Parameter(torch.rand(OUT) + 0.5)),
+    case("scalar/x", "div", lambda m, x, y: 1.0 / (m.fc(x).abs() + 1.0)),
+    case("torch.div", "div", lambda m, x, y: torch.div(m.fc(x), 3.0)),
+    case("torch.divide", "div", lambda m, x, y: torch.divide(m.fc(x), 3.0)),
+    case("torch.true_divide", "div", lambda m, x, y: torch.true_divide(m.fc(x), 3.0)),
+    case("Tensor.div_", "div", lambda m, x, y: m.fc(x).div_(7)),
+    case("x/=scalar", "div", inplace_div),
+    # residual uses of an earlier value of the region
+    case("x+x", "add(%", lambda m, x, y: (lambda h: h + h)(m.fc(x))),
+    case("sigmoid(x)*2+x", "sigmoid", lambda m, x, y: (lambda h: torch.sigmoid(h) * 2.0 + h)(m.fc(x))),
+    case("relu(x)-x", "relu", lambda m, x, y: (lambda h: F.relu(h) - h)(m.fc(x))),
+    # identities inside the region
+    case("eval-dropout", "relu", lambda m, x, y: F.relu(m.drop(m.fc(x))), drop=nn.Dropout(0.5).eval()),
+    case("F.dropout-training=False", "relu", lambda m, x, y: F.relu(F.dropout(m.fc(x), 0.3, training=False))),
+    case("nn.Identity", "relu", lambda m, x, y: F.relu(m.ident(m.fc(x))), ident=nn.Identity()),
+    case("contiguous", "relu", lambda m, x, y: F.relu(m.fc(x).contiguous())),
+]
+
+
+@pytest.mark.parametrize("canonical, epilogue, extras", POINTWISE)
+def test_pointwise_spelling_fuses(canonical, epilogue, extras):
+    model = GemmThen(epilogue, **extras).eval()
+    optimized = assert_whole_chain_fused(model, (torch.randn(BATCH, IN),))
+    (program,) = fused_programs(optimized)
+    assert canonical in program, f"expected {canonical} in {program}"
+
+
+def linear_then(fn):
+    return lambda m, x, y: fn(m.fc(x))
+
+
+NORMS = [
+    case("nn.GroupNorm", "group_norm(%0,$0,$1,4,", lambda m, x, y: m.norm(m.fc(x)), norm=nn.GroupNorm(4, OUT)),
+    case("nn.GroupNorm-one-group", "group_norm", lambda m, x, y: m.norm(m.fc(x)), norm=nn.GroupNorm(1, OUT)),
+    case("nn.GroupNorm-group-per-channel", "group_norm", lambda m, x, y: m.norm(m.fc(x)),
+         norm=nn.GroupNorm(OUT, OUT)),
+    case("nn.GroupNorm-non-affine", "group_norm(%0,None,None,5,", lambda m, x, y: m.norm(m.fc(x)),
+         norm=nn.GroupNorm(5, OUT, affine=False)),
+    case("nn.GroupNorm-eps", "group_norm(%0,$0,$1,8,0.001)", lambda m, x, y: m.norm(m.fc(x)),
+         norm=nn.GroupNorm(8, OUT, eps=1e-3)),
+    case("F.group_norm", "group_norm", lambda m, x, y: F.group_norm(m.fc(x), 2, m.w, m.b, 1e-4),
+         w=vector(), b=vector()),
+    case("F.group_norm-kw", "group_norm", lambda m, x, y: F.group_norm(m.fc(x), num_groups=10, eps=0.1)),
+    case("nn.LayerNorm", "layer_norm", lambda m, x, y: m.norm(m.fc(x)), norm=nn.LayerNorm(OUT)),
+    case("nn.LayerNorm-non-affine", "layer_norm(%0,None,None,", lambda m, x, y: m.norm(m.fc(x)),
+         norm=nn.LayerNorm(OUT, elementwise_affine=False)),
+    case("nn.LayerNorm-no-bias", "layer_norm(%0,$0,None,", lambda m, x, y: m.norm(m.fc(x)),
+         norm=nn.LayerNorm(OUT, bias=False)),
+    case("nn.LayerNorm-eps", "layer_norm", lambda m, x, y: m.norm(m.fc(x)), norm=nn.LayerNorm([OUT], eps=1e-2)),
+    case("F.layer_norm", "layer_norm", lambda m, x, y: F.layer_norm(m.fc(x), (OUT,), m.w, m.b), w=vector(),
+         b=vector()),
+    case("F.layer_norm-kw", "layer_norm", lambda m, x, y: F.layer_norm(m.fc(x), normalized_shape=[OUT], eps=1e-3)),
+    case("nn.RMSNorm", "rms_norm", lambda m, x, y: m.norm(m.fc(x)), norm=nn.RMSNorm(OUT)),
+    case("nn.RMSNorm-eps", "rms_norm(%0,$0,1e-06)", lambda m, x, y: m.norm(m.fc(x)), norm=nn.RMSNorm(OUT, eps=1e-6)),
+    case("nn.RMSNorm-non-affine", "rms_norm(%0,None,", lambda m, x, y: m.norm(m.fc(x)),
+         norm=nn.RMSNorm(OUT, elementwise_affine=False)),
+    case("F.rms_norm", "rms_norm", lambda m, x, y: F.rms_norm(m.fc(x), (OUT,), m.w, 1e-5), w=vector()),
+    case("nn.InstanceNorm1d-unbatched", "layer_norm(%0,None,None,", lambda m, x, y: m.norm(m.fc(x)),
+         norm=nn.InstanceNorm1d(BATCH)),  # unbatched (C=BATCH, L=OUT)
+    case("eval-BatchNorm1d", "batch_norm", lambda m, x, y: m.norm(m.fc(x)), norm=nn.BatchNorm1d(OUT)),
+    case("eval-BatchNorm1d-non-affine", "batch_norm", lambda m, x, y: m.norm(m.fc(x)),
+         norm=nn.BatchNorm1d(OUT, affine=False)),
+    case("F.batch_norm-eval", "batch_norm",
+         lambda m, x, y: F.batch_norm(m.fc(x), m.mean, m.var, m.w, m.b, training=False, eps=1e-3),
+         mean=buffer(OUT), var=torch.rand(OUT) + 0.5, w=vector(), b=vector()),
+]
+
+
+def _randomize_batch_norm_statistics(model):
+    for module in model.modules():
+        if isinstance(module, nn.BatchNorm1d):
+            module.running_mean.normal_()
+            module.running_var.uniform_(0.5, 2.0)
+            if module.affine:
+                module.weight.data.normal_()
+                module.bias.data.normal_()
+
+
+@pytest.mark.parametrize("canonical, epilogue, extras", NORMS)
+def test_norm_spelling_fuses(canonical, epilogue, extras):
+    model = GemmThen(epilogue, **extras).eval()
+    _randomize_batch_norm_statistics(model)
+    optimized = assert_whole_chain_fused(model, (torch.randn(BATCH, IN),))
+    (program,) = fused_programs(optimized)
+    assert canonical in program, f"expected {canonical} in {program}"
+
+
+def test_instance_norm_of_each_row_of_a_3d_output_fuses():
+    model = GemmThen(lambda m, x, y: F.instance_norm(m.fc(x), eps=1e-4))
+    optimized = assert_whole_chain_fused(model, (torch.randn(2, 5, IN),))
+    assert "layer_norm(%0,None,None,0.0001)" in fused_programs(optimized)[0]
+
+
+REDUCTIONS = [
+    case("torch.sum", "sum(%0,1,False)", linear_then(lambda h: torch.sum(h, 1))),
+    case("Tensor.sum-keepdim-kw", "sum(%0,-1,True)", linear_then(lambda h: h.sum(dim=-1, keepdim=True))),
+    case("torch.sum-list-dim", "sum", linear_then(lambda h: torch.sum(h, [1]))),
+    case("torch.mean", "mean(%0,1,False)", linear_then(lambda h: torch.mean(h, 1))),
+    case("Tensor.mean-keepdim", "mean(%0,-1,True)", linear_then(lambda h: h.mean(-1, keepdim=True))),
+    case("torch.amax", "amax(%0,1,False)", linear_then(lambda h: torch.amax(h, 1))),
+    case("Tensor.amax-keepdim", "amax(%0,-1,True)", linear_then(lambda h: h.amax(-1, True))),
+    case("torch.max(x,1)[0]", "amax(%0,1,False)", linear_then(lambda h: torch.max(h, 1)[0])),
+    case("x.max(dim=1).values", "amax", linear_then(lambda h: h.max(dim=1).values)),
+    case("torch.max-keepdim.values", "amax(%0,1,True)", linear_then(lambda h: torch.max(h, 1, keepdim=True).values)),
+    case("torch.amin", "amin(%0,1,False)", linear_then(lambda h: torch.amin(h, dim=1))),
+    case("Tensor.amin-keepdim", "amin(%0,1,True)", linear_then(lambda h: h.amin(1, keepdim=True))),
+    case("torch.min(x,1,True)[0]", "amin(%0,1,True)", linear_then(lambda h: torch.min(h, 1, True)[0])),
+    case("x.min(dim=1,keepdim=True).values", "amin(%0,1,True)",
+         linear_then(lambda h: h.min(dim=1, keepdim=True).values)),
+    case("torch.min(x,dim=-1)[0]", "amin(%0,-1,False)", linear_then(lambda h: torch.min(h, dim=-1)[0])),
+    case("torch.logsumexp", "logsumexp(%0,1,False)", linear_then(lambda h: torch.logsumexp(h, 1))),
+    case("Tensor.logsumexp-keepdim", "logsumexp(%0,-1,True)", linear_then(lambda h: h.logsumexp(-1, keepdim=True))),
+    case("F.softmax", "softmax(%0,1)", linear_then(lambda h: F.softmax(h, dim=1))),
+    case("torch.softmax", "softmax(%0,-1)", linear_then(lambda h: torch.softmax(h, -1))),
+    case("Tensor.softmax", "softmax", linear_then(lambda h: h.softmax(-1))),
+    case("nn.Softmax", "softmax", lambda m, x, y: m.act(m.fc(x)), act=nn.Softmax(dim=1)),
+    case("F.log_softmax", "log_softmax(%0,1)", linear_then(lambda h: F.log_softmax(h, 1))),
+    case("torch.log_softmax", "log_softmax", linear_then(lambda h: torch.log_softmax(h, dim=-1))),
+    case("Tensor.log_softmax", "log_softmax", linear_then(lambda h: h.log_softmax(-1))),
+    case("nn.LogSoftmax", "log_softmax", lambda m, x, y: m.act(m.fc(x)), act=nn.LogSoftmax(dim=-1)),
+    # pointwise ops after a reduction, broadcasting the reduced value
+    case("sum-keepdim+param", "add", lambda m, x, y: m.fc(x).sum(1, keepdim=True) + m.b, b=vector(1)),
+    case("mean*scalar", "mul", linear_then(lambda h: h.mean(1) * 3.0)),
+    case("amax-keepdim-then-relu", "relu", linear_then(lambda h: F.relu(h.amax(-1, keepdim=True)))),
+    case("x-amax(x)", "sub", linear_then(lambda h: h - h.amax(-1, keepdim=True))),
+    case("exp(x-logsumexp(x))", "exp", linear_then(lambda h: torch.exp(h - torch.logsumexp(h, 1, keepdim=True)))),
+    case("min-keepdim+row-bias", "add", lambda m, x, y: torch.min(m.fc(x), 1, True)[0] + m.b, b=buffer(BATCH, 1)),
+    case("min-keepdim*full-param", "mul", lambda m, x, y: torch.min(m.fc(x), 1, True)[0] * m.b,
+         b=vector(OUT)),
+    case("softmax-then-log", "log", linear_then(lambda h: torch.log(F.softmax(h, -1)))),
+]
+
+
+@pytest.mark.parametrize("canonical, epilogue, extras", REDUCTIONS)
+def test_reduction_spelling_fuses(canonical, epilogue, extras):
+    model = GemmThen(epilogue, **extras).eval()
+    optimized = assert_whole_chain_fused(model, (torch.randn(BATCH, IN),))
+    (program,) = fused_programs(optimized)
+    assert canonical in program, f"expected {canonical} in {program}"
