@@ -516,11 +516,14 @@ def canonical_of(node: fx.Node, gm: fx.GraphModule) -> Canonical | None:
     bound.apply_defaults()
     arguments = dict(bound.arguments)
     inplace = inplace or bool(arguments.get("inplace", False))
+    first = arguments.get("input")
     try:
         return handler(arguments, inplace)
     except NotFusible as reason:
-        first = arguments.get("input")
         return Canonical("?", (first,) if isinstance(first, fx.Node) else (), {}, problem=str(reason))
+    except (TypeError, ValueError) as error:  # a scalar argument is a traced value (Dynamo's dynamic floats)
+        return Canonical("?", (first,) if isinstance(first, fx.Node) else (), {},
+                         problem=f"an argument is computed in the graph, not a constant ({error})")
 
 
 def _redirect_inplace_uses(graph: fx.Graph, canon: dict[fx.Node, Canonical]) -> None:
