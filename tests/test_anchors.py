@@ -1,0 +1,140 @@
+"""The GEMM anchor in each of its spellings, inputs of 2 to 4 dims, and epilogue operands from outside the region.
+
+Anchors: nn.Linear with and without bias, F.linear, ``x @ W.t() + b``, ``x @ W``, torch.mm, torch.addmm,
+torch.matmul and the tensor methods, with a 2-D weight that is a parameter or a buffer. Outside operands:
+graph inputs (``layer_norm(linear(h) + x)``, ``(linear(x) + y) * y``) and values computed before the region.
+"""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from epilogue_models import (BATCH, IN, OUT, GemmThen, assert_whole_chain_fused, fused_programs,
+                             leftover_compute)
+from fxfuse.testing import assert_fuses, assert_not_fused
+
+
+class OwnWeights(nn.Module):
+    """A GEMM written against the model's own weight tensors: `w` is (OUT, IN), `w_in_out` is (IN, OUT)."""
+
+    def __init__(self, gemm, weights_as_buffers=False):
+        super().__init__()
+        register = self.register_buffer if weights_as_buffers else (
+            lambda name, t: self.register_parameter(name, nn.Parameter(t)))
+        register("w", torch.randn(OUT, IN) / IN ** 0.5)
+        register("w_in_out", torch.randn(IN, OUT) / IN ** 0.5)
+        register("b", torch.randn(OUT))
+        self.gemm = gemm
+
+    def forward(self, x):
+        return torch.relu(self.gemm(self, x))
+
+
+ANCHORS = {
+    "F.linear": lambda m, x: F.linear(x, m.w, m.b),
+    "F.linear-no-bias": lambda m, x: F.linear(x, m.w),
+    "F.linear-kw": lambda m, x: F.linear(input=x, weight=m.w, bias=m.b),
+    "x@W.t()+b": lambda m, x: x @ m.w.t() + m.b,
+    "x@W.T+b": lambda m, x: x @ m.w.T + m.b,
+    "x@W.transpose(0,1)": lambda m, x: x @ m.w.transpose(0, 1),
+    "x@torch.t(W)": lambda m, x: x @ torch.t(m.w),
+    "x@W": lambda m, x: x @ m.w_in_out,
+    "x@W+b": lambda m, x: x @ m.w_in_out + m.b,
+    "torch.mm": lambda m, x: torch.mm(x, m.w_in_out),
+    "torch.mm-W.t()": lambda m, x: torch.mm(x, m.w.t()),
+    "Tensor.mm": lambda m, x: x.mm(m.w_in_out),
+    "torch.matmul": lambda m, x: torch.matmul(x, m.w_in_out),
+    "torch.matmul-W.t()+b": lambda m, x: torch.matmul(x, m.w.t()) + m.b,
+    "Tensor.matmul": lambda m, x: x.matmul(m.w_in_out),
+    "torch.addmm-W.t()": lambda m, x: torch.addmm(m.b, x, m.w.t()),
+    "torch.addmm-W": lambda m, x: torch.addmm(m.b, x, m.w_in_out),
+    "torch.addmm-kw": lambda m, x: torch.addmm(input=m.b, mat1=x, mat2=m.w.t()),
+}
+TWO_D_ONLY = {"torch.mm", "torch.mm-W.t()", "Tensor.mm", "torch.addmm-W.t()", "torch.addmm-W", "torch.addmm-kw"}
+
+
+@pytest.mark.parametrize("weights_as_buffers", [False, True], ids=["parameters", "buffers"])
+@pytest.mark.parametrize("anchor", list(ANCHORS))
+def test_gemm_anchor_fuses_with_its_epilogue(anchor, weights_as_buffers):
+    model = OwnWeights(ANCHORS[anchor], weights_as_buffers)
+    optimized = assert_whole_chain_fused(model, (torch.randn(BATCH, IN),))
+    (program,) = fused_programs(optimized)
+    assert program.split(";")[-1].startswith("relu(")
+
+
+@pytest.mark.parametrize("anchor", [a for a in ANCHORS if a not in TWO_D_ONLY])
+@pytest.mark.parametrize("shape", [(2, 5, IN), (2, 1, 3, IN)], ids=["3-D", "4-D"])
+def test_gemm_anchor_on_inputs_with_leading_dims(anchor, shape):
+    model = OwnWeights(ANCHORS[anchor])
+    assert_whole_chain_fused(model, (torch.randn(*shape),))
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("shape", [(1, IN), (BATCH, IN), (2, 5, IN), (4, 1, 2, IN)], ids=str)
+def test_nn_linear_fuses_on_any_leading_dims(bias, shape):
+    model = GemmThen(lambda m, x, y: F.gelu(m.fc(x)), bias=bias)
+    assert_whole_chain_fused(model, (torch.randn(*shape),))
+
+
+def test_two_gemms_in_a_row_become_two_regions():
+    model = nn.Sequential(nn.Linear(IN, OUT), nn.ReLU(), nn.Linear(OUT, 16), nn.Tanh())
+    assert_whole_chain_fused(model, (torch.randn(BATCH, IN),), regions=2)
+
+
+def test_batched_matmul_is_no_gemm_anchor():
+    """`x @ y` with a 3-D `y` multiplies a batch of matrices: no 2-D weight, so not fused, and still runs."""
+    model = GemmThen(lambda m, x, y: torch.relu(m.fc(x) @ y))
+    assert_not_fused(model, (torch.randn(2, 5, IN), torch.randn(2, OUT, 7)), reason="is not a known 2-D tensor")
+
+
+# ---------------------------------------------------------------- operands from outside the region
+
+# Operands that are graph inputs: the whole model becomes one fused op.
+INPUT_OPERANDS = {
+    "layer_norm(linear(h)+x)": (lambda m, x, y: m.norm(m.fc(x) + y), dict(norm=nn.LayerNorm(OUT))),
+    "(linear(x)+y)*y": (lambda m, x, y: (m.fc(x) + y) * y, {}),
+    "y+relu(linear(x))": (lambda m, x, y: y + F.relu(m.fc(x)), {}),
+    "group_norm(linear(x)-y)": (lambda m, x, y: m.norm(m.fc(x) - y), dict(norm=nn.GroupNorm(4, OUT))),
+}
+# Operands computed by ops outside any region (before or after the GEMM in graph order): those ops stay.
+COMPUTED_OPERANDS = {
+    "sigmoid(y)-computed-before": lambda m, x, y: (lambda z: F.relu(m.fc(x)) * z)(torch.sigmoid(y)),
+    "x.sum()-computed-after-the-gemm": lambda m, x, y: F.relu(m.fc(x)) + x.sum(-1, keepdim=True),
+    "slice-of-y": lambda m, x, y: m.fc(x) * y[:, :1],
+}
+
+
+@pytest.mark.parametrize("name", list(INPUT_OPERANDS))
+def test_graph_input_operand(name):
+    epilogue, extras = INPUT_OPERANDS[name]
+    model = GemmThen(epilogue, **extras)
+    optimized = assert_whole_chain_fused(model, (torch.randn(BATCH, IN), torch.randn(BATCH, OUT)))
+    assert "$" in fused_programs(optimized)[0]
+
+
+@pytest.mark.parametrize("name", list(COMPUTED_OPERANDS))
+def test_operand_computed_outside_the_region(name):
+    model = GemmThen(COMPUTED_OPERANDS[name])
+    optimized = assert_fuses(model, (torch.randn(BATCH, IN), torch.randn(BATCH, OUT)), regions=1)
+    assert len(leftover_compute(optimized)) == 1, optimized.code
+    assert "$" in fused_programs(optimized)[0]
+
+
+def test_outside_operand_without_example_inputs_is_a_graph_input():
+    model = GemmThen(lambda m, x, y: (m.fc(x) + y) * y)
+    assert_whole_chain_fused(model, (torch.randn(BATCH, IN), torch.randn(BATCH, OUT)), example_inputs=False)
+
+
+def test_broadcast_to_a_larger_output_as_in_eager():
+    """Linear -> GroupNorm -> min(dim=1, keepdim=True) -> + bias (1, N, 1, 1) gives (1, N, B, 1)."""
+    model = GemmThen(lambda m, x, y: torch.min(m.norm(m.fc(x)), dim=1, keepdim=True)[0] + m.shift,
+                     norm=nn.GroupNorm(8, OUT), shift=nn.Parameter(torch.randn(1, OUT, 1, 1)))
+    optimized = assert_whole_chain_fused(model, (torch.randn(BATCH, IN),))
+    assert optimized(torch.randn(BATCH, IN)).shape == (1, OUT, BATCH, 1)
+
+
+def test_full_shape_operand_broadcast_by_a_reduced_value():
+    """A row reduction without keepdim, plus a (B, 1) operand: eager broadcasts (B,) + (B, 1) to (B, B)."""
+    model = GemmThen(lambda m, x, y: m.fc(x).sum(-1) + m.col, col=torch.randn(BATCH, 1))
+    optimized = assert_whole_chain_fused(model, (torch.randn(BATCH, IN),))
+    assert optimized(torch.randn(BATCH, IN)).shape == (BATCH, BATCH)
