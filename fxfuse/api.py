@@ -8,6 +8,7 @@ are propagated on fake tensors, which lets the matcher prove more (ranks, dims, 
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 from typing import Any, Sequence
@@ -40,6 +41,24 @@ def _trace(model: nn.Module) -> fx.GraphModule:
     return gm
 
 
+@contextlib.contextmanager
+def _fake_buffers(gm: fx.GraphModule, mode):
+    """Swap every buffer of `gm` for a fake copy while shapes propagate: a forward that updates its buffers
+    (BatchNorm's statistics and batch count) must leave the user's model as it was."""
+    swapped = []
+    for module in gm.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                swapped.append((module, name, buffer))
+    try:
+        for module, name, buffer in swapped:
+            module._buffers[name] = mode.from_tensor(buffer)
+        yield
+    finally:
+        for module, name, buffer in swapped:
+            module._buffers[name] = buffer
+
+
 def _propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
     """Record each node's shape and dtype (node.meta['val']) by running the graph on fake tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -47,7 +66,8 @@ def _propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None
 
     try:
         mode = FakeTensorMode(allow_non_fake_inputs=True)
-        FakeTensorProp(gm, mode).propagate(*example_inputs)
+        with _fake_buffers(gm, mode):
+            FakeTensorProp(gm, mode).propagate(*example_inputs)
     except Exception as error:  # shapes are a help, not a need: the matcher proves less without them
         logger.info("fxfuse: no shapes (%s: %s); matching without them", type(error).__name__, error)
         for node in gm.graph.nodes:

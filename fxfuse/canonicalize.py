@@ -352,11 +352,12 @@ def _values_of(node: fx.Node) -> Canonical | None:
         return None
     bound.apply_defaults()
     a = bound.arguments
+    # A problem is told at this node: it covers `source`, so matching reaches it through `source`.
     if not isinstance(a["dim"], int):
-        return Canonical(_VALUES_OF[name], (a["input"],), {}, problem=f"{name} without an int dim")
+        return Canonical(_VALUES_OF[name], (a["input"],), {}, problem=f"{name} without an int dim", covers=(source,))
     if len(source.users) != 1:
         return Canonical(_VALUES_OF[name], (a["input"],), {},
-                         problem=f"the indices of `{source.name}` are used too")
+                         problem=f"the indices of `{source.name}` are used too", covers=(source,))
     return Canonical(_VALUES_OF[name], (a["input"],), {"dim": a["dim"], "keepdim": bool(a["keepdim"])},
                      covers=(source,))
 
@@ -411,8 +412,9 @@ def _matmul(a, inplace):
 
 @spelling("(input, mat1, mat2, beta=1, alpha=1)", functions=(torch.addmm,))
 def _addmm(a, inplace):
-    if a["beta"] != 1 or a["alpha"] != 1:
-        raise NotFusible("addmm with beta or alpha other than 1")
+    if a["beta"] != 1 or a["alpha"] != 1:  # a GEMM all the same: reported as a GEMM that can't be fused
+        return Canonical(LINEAR, (a["mat1"], a["mat2"], None), {"transpose_weight": True},
+                         problem="addmm with beta or alpha other than 1")
     weight = _transposed_weight(a["mat2"])
     if weight is None:
         return Canonical(LINEAR, (a["mat1"], a["mat2"], None), {"transpose_weight": True, "addmm_bias": a["input"]})

@@ -362,6 +362,8 @@ def find_region(gm: fx.GraphModule, anchor: fx.Node, canon, facts: Facts):
     misses = [NearMiss(anchor, node, reason) for node, reason in rejected.items()
               if node.op != "output" and (best is None or node not in best_members(growth, best))]
     if best is None:
+        if len(growth.members) > 1:  # ops were admitted, but no prefix of them has a single output
+            misses.insert(0, NearMiss(anchor, anchor, _escape_reason(growth, None)))
         if not misses:
             misses = [NearMiss(anchor, anchor, "no epilogue op follows the GEMM")]
         return None, _keep_relevant(misses, growth)
@@ -379,7 +381,14 @@ def find_region(gm: fx.GraphModule, anchor: fx.Node, canon, facts: Facts):
 def _keep_relevant(misses, growth, region=None):
     """Keep the misses that stopped the region: ops fed by the region, not every later node."""
     members = set(region.members) if region else growth.member_set
-    return [m for m in misses if m.node is m.anchor or any(i in members for i in m.node.all_input_nodes)]
+
+    def fed_by_region(node):
+        # A node that stands for others (`[0]` of `torch.min(h, 1)`) is fed through its canonical operands.
+        c = growth.canon.get(node)
+        operands = [o for o in c.operands if isinstance(o, fx.Node)] if c is not None else []
+        return any(i in members for i in [*node.all_input_nodes, *operands])
+
+    return [m for m in misses if m.node is m.anchor or fed_by_region(m.node)]
 
 
 def best_members(growth, best):

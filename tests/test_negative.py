@@ -1,0 +1,273 @@
+"""Chains that must not fuse, or must fuse only their legal part, and the precise reason explain() gives.
+
+Every test also checks that the optimized model still computes what eager computes.
+"""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxfuse
+from epilogue_models import (BATCH, IN, OUT, GemmThen, assert_reason, assert_whole_chain_fused, fused_programs,
+                             leftover_compute)
+from fxfuse.testing import assert_close_report, assert_fuses, assert_not_fused, fused_op_count
+
+
+def rows(batch=BATCH, features=IN, dtype=torch.float32):
+    return torch.randn(batch, features, dtype=dtype)
+
+
+# ---------------------------------------------------------------- values that leave the region
+
+
+class SharedIntermediate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(IN, OUT)
+        self.out_proj = nn.Linear(OUT, OUT)
+        self.b = nn.Parameter(torch.randn(OUT))
+
+    def forward(self, x):
+        h = self.fc(x)
+        shifted = h + self.b
+        shifted = shifted + 1.0
+        return torch.relu(shifted) + self.out_proj(shifted)
+
+
+def test_intermediate_used_outside_the_region_ends_the_region_before_it():
+    optimized = assert_fuses(SharedIntermediate(), (rows(),), regions=2)
+    assert_reason(optimized, "intermediate `add_1` is also used by `out_proj`")
+    first, second = optimized.fxfuse_report.fused
+    assert first.replaced == ["fc", "add", "add_1"], first
+    assert "relu" not in first.program
+
+
+def test_intermediate_used_by_the_graph_output_is_not_fused_past():
+    model = GemmThen(lambda m, x, y: (lambda h: (torch.relu(h), h))(m.fc(x) * 2.0))
+    optimized = assert_fuses(model, (rows(),), regions=1)
+    assert fused_programs(optimized) == ["mul(%0,2.0)"]
+    assert_reason(optimized, "intermediate `mul` is also used by `output`")
+
+
+def test_idiom_whose_interior_is_used_elsewhere_is_not_that_op():
+    """In `x * sigmoid(x)` with sigmoid(x) also returned, there is no silu: the sigmoid must stay visible."""
+    model = GemmThen(lambda m, x, y: (lambda h, s: (h * s, s))(*(lambda h: (h, torch.sigmoid(h)))(m.fc(x))))
+    # Nor is any region legal: each prefix of fc -> sigmoid -> mul has two values used outside it.
+    assert_not_fused(model, (rows(),), reason="intermediate `sigmoid` is also used by `output`")
+
+
+# ---------------------------------------------------------------- cycles
+
+
+class SecondOperandFromTheRegion(nn.Module):
+    """relu(fc(x)) + fc2(relu(fc(x))): the add's second operand depends on the region's own output."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(IN, OUT)
+        self.fc2 = nn.Linear(OUT, OUT)
+
+    def forward(self, x):
+        h = torch.relu(self.fc(x))
+        return h + self.fc2(h)
+
+
+def test_operand_depending_on_the_region_through_another_path_is_a_cycle():
+    optimized = assert_fuses(SecondOperandFromTheRegion(), (rows(),), regions=2)
+    assert_reason(optimized, "depends on the region's own output through")
+    first, second = optimized.fxfuse_report.fused
+    assert first.program == "relu(%0)"
+    assert second.program == "add($0,%0)", "fc2's region takes the first region's output as an operand"
+
+
+class GateFromTheRegion(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(IN, OUT)
+        self.gate = nn.Linear(OUT, OUT)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h * torch.sigmoid(self.gate(h))
+
+
+def test_gate_computed_from_the_gemm_output_fuses_into_the_gate_gemm_only():
+    optimized = assert_fuses(GateFromTheRegion(), (rows(),), regions=1)
+    assert fused_programs(optimized) == ["sigmoid(%0);mul($0,%1)"]
+    assert_reason(optimized, "operand `sigmoid` depends on the region's own output through `gate`")
+    assert leftover_compute(optimized) == ["fc (call_module fc)"]
+
+
+# ---------------------------------------------------------------- norms and reductions that are not row-local
+
+
+def test_group_count_that_does_not_divide_the_features():
+    model = GemmThen(lambda m, x, y: F.group_norm(m.fc(x), 3))
+    report = fxfuse.explain(model)
+    assert_reason(report, f"group_norm: {OUT} channels not divisible by 3 groups")
+    assert fused_op_count(fxfuse.optimize(model)) == 0
+
+
+def test_group_count_reason_with_1000_channels():
+    model = GemmThen(lambda m, x, y: F.group_norm(m.fc(x), 3), out_features=1000)
+    assert_reason(fxfuse.explain(model, (rows(),)), "group_norm: 1000 channels not divisible by 3 groups")
+
+
+def test_group_norm_before_the_divisible_part_still_fuses_what_precedes_it():
+    model = GemmThen(lambda m, x, y: F.group_norm(torch.relu(m.fc(x)), 3))
+    optimized = fxfuse.optimize(model)
+    assert fused_programs(optimized) == ["relu(%0)"]
+    assert_reason(optimized, "not divisible by 3 groups")
+
+
+def test_train_mode_batch_norm_is_not_fused_and_explain_says_why():
+    model = GemmThen(lambda m, x, y: m.norm(m.fc(x)), norm=nn.BatchNorm1d(OUT)).train()
+    optimized = assert_not_fused(model, (rows(),), reason="train-mode batch_norm normalizes over the batch")
+    assert optimized.norm.num_batches_tracked.item() == 2, "one eager run, one optimized run, none while optimizing"
+
+
+def test_optimize_with_example_inputs_leaves_the_model_state_alone():
+    model = GemmThen(lambda m, x, y: torch.relu(m.norm(m.fc(x))), norm=nn.BatchNorm1d(OUT)).train()
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    fxfuse.optimize(model, (rows(),))
+    fxfuse.explain(model, (rows(),))
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, before[name]), f"{name} changed while optimizing"
+
+
+NOT_ROW_LOCAL = {
+    "sum-over-batch": (lambda m, x, y: m.fc(x).sum(0), "sum over dim 0 of a 2-D value, not the features (dim 1)"),
+    "mean-over-rows-of-3-D": (lambda m, x, y: m.fc(x).mean(dim=1), "mean over dim 1 of a 3-D value"),
+    "softmax-over-batch": (lambda m, x, y: F.softmax(m.fc(x), dim=0), "softmax over dim 0"),
+    "log_softmax-over-dim-1-of-3-D": (lambda m, x, y: torch.log_softmax(m.fc(x), 1), "log_softmax over dim 1"),
+    "amax-over-all": (lambda m, x, y: m.fc(x).amax(), "amax over all dims"),
+    "sum-of-everything": (lambda m, x, y: m.fc(x).sum(), "sum without a dim reduces the whole tensor"),
+    "max-over-batch": (lambda m, x, y: torch.max(m.fc(x), 0)[0], "amax over dim 0"),
+    "logsumexp-two-dims": (lambda m, x, y: torch.logsumexp(m.fc(x), (0, 1)), "logsumexp over 2 dims"),
+    "layer_norm-two-dims": (lambda m, x, y: F.layer_norm(m.fc(x), (5, OUT)), "layer_norm over 2 dims"),
+    "group_norm-on-3-D": (lambda m, x, y: F.group_norm(m.fc(x), 5), "group_norm on a 3-D output"),
+    "softmax-with-dtype": (lambda m, x, y: F.softmax(m.fc(x), -1, dtype=torch.float64), "softmax with dtype"),
+    "sum-with-dtype": (lambda m, x, y: m.fc(x).sum(-1, dtype=torch.float64), "sum with dtype"),
+}
+THREE_D = {"mean-over-rows-of-3-D", "log_softmax-over-dim-1-of-3-D", "layer_norm-two-dims", "group_norm-on-3-D"}
+
+
+@pytest.mark.parametrize("name", list(NOT_ROW_LOCAL))
+def test_norm_or_reduction_that_is_not_over_the_features(name):
+    epilogue, reason = NOT_ROW_LOCAL[name]
+    x = torch.randn(2, 5, IN) if name in THREE_D else rows()
+    assert_not_fused(GemmThen(epilogue), (x,), reason=reason)
+
+
+def test_norm_of_a_reduced_value_fuses_only_the_reduction():
+    model = GemmThen(lambda m, x, y: F.layer_norm(m.fc(x).sum(-1, keepdim=True), (1,)))
+    optimized = assert_fuses(model, (rows(),), regions=1)
+    assert fused_programs(optimized) == ["sum(%0,-1,True)"]
+    assert_reason(optimized, "layer_norm of `sum_1` works on an already reduced value")
+
+
+def test_min_whose_indices_are_used_too():
+    model = GemmThen(lambda m, x, y: (lambda r: r[0] + r[1])(torch.min(m.fc(x), 1)))
+    assert_not_fused(model, (rows(),), reason="the indices of `min_1` are used too")
+
+
+# ---------------------------------------------------------------- dtypes
+
+
+def test_float64_is_not_supported():
+    model = GemmThen(lambda m, x, y: torch.relu(m.fc(x))).double()
+    assert_not_fused(model, (rows(dtype=torch.float64),), reason="float64 is not supported")
+
+
+def test_operand_of_another_dtype_would_promote_the_result():
+    model = GemmThen(lambda m, x, y: torch.relu(m.fc(x)) + y)
+    optimized = assert_fuses(model, (rows(), torch.randn(BATCH, OUT, dtype=torch.float64)), regions=1)
+    assert fused_programs(optimized) == ["relu(%0)"]
+    assert_reason(optimized, "operand `y` is float64 while the GEMM is float32")
+
+
+def test_input_of_another_dtype_than_the_weight():
+    model = GemmThen(lambda m, x, y: torch.relu(F.linear(x, m.w)), w=torch.randn(OUT, IN, dtype=torch.float64))
+    assert_not_fused(model, (rows(dtype=torch.float64),), reason="float64 is not supported")
+
+
+# ---------------------------------------------------------------- randomness and mutation
+
+
+def test_train_mode_dropout_is_not_fused():
+    model = GemmThen(lambda m, x, y: torch.relu(m.drop(m.fc(x))), drop=nn.Dropout(0.5)).train()
+    report = fxfuse.explain(model, (rows(),))
+    assert_reason(report, "dropout(p=0.5) in training mode is random")
+    assert not report.fused
+
+
+def test_train_mode_dropout_with_p_1_is_not_fused_and_matches():
+    """p=1 zeroes everything, so eager and optimized can be compared exactly."""
+    model = GemmThen(lambda m, x, y: torch.relu(F.dropout(m.fc(x), p=1.0, training=True)))
+    assert_not_fused(model, (rows(),), reason="in training mode is random")
+
+
+def test_in_place_op_on_a_tensor_outside_the_region_is_not_fused():
+    model = GemmThen(lambda m, x, y: y.add_(m.fc(x)))
+    x, y = rows(), torch.randn(BATCH, OUT)
+    expected_y = y.clone()
+    with torch.no_grad():
+        expected = model(x, expected_y)
+    optimized = fxfuse.optimize(model, (x, y.clone()))
+    assert fused_op_count(optimized) == 0
+    assert_reason(optimized, "in-place `add_` mutates `y`, which is outside the region")
+    with torch.no_grad():
+        actual = optimized(x, y)
+    assert_close_report(actual, expected)
+    assert_close_report(y, expected_y, what="the mutated input")
+
+
+def test_in_place_op_on_the_region_value_is_fused():
+    model = GemmThen(lambda m, x, y: m.fc(x).mul_(2.0).relu_())
+    assert_whole_chain_fused(model, (rows(),))
+
+
+# ---------------------------------------------------------------- spellings that are close to an op but are not it
+
+
+NEAR_SPELLINGS = {
+    "add-alpha-with-tensor": (lambda m, x, y: torch.add(m.fc(x), y, alpha=2), "add with alpha=2 and a tensor"),
+    "div-floor": (lambda m, x, y: torch.div(m.fc(x), 2.0, rounding_mode="floor"), "div with rounding_mode='floor'"),
+    "clamp-by-tensor": (lambda m, x, y: torch.clamp(m.fc(x), min=y), "clamp's min is not a Python number"),
+    "pow-by-tensor": (lambda m, x, y: torch.pow(m.fc(x), y), "the exponent is not a Python number"),
+    "addmm-beta": (lambda m, x, y: torch.addmm(y, x, m.w, beta=0.5), "addmm with beta or alpha other than 1"),
+}
+
+
+@pytest.mark.parametrize("name", list(NEAR_SPELLINGS))
+def test_near_spelling_is_not_fused_with_reason(name):
+    epilogue, reason = NEAR_SPELLINGS[name]
+    model = GemmThen(epilogue, w=nn.Parameter(torch.randn(IN, OUT)))
+    optimized = assert_fuses(model, (rows(), torch.randn(BATCH, OUT)), regions=0)
+    assert_reason(optimized, reason)
+
+
+def test_mish_spelling_with_another_softplus_beta_is_not_mish():
+    model = GemmThen(lambda m, x, y: (lambda h: h * torch.tanh(F.softplus(h, beta=2.0)))(m.fc(x)))
+    optimized = assert_whole_chain_fused(model, (rows(),))
+    (program,) = fused_programs(optimized)
+    assert "mish" not in program and "softplus(%0,2.0,20.0)" in program
+
+
+def test_silu_spelling_over_two_different_tensors_is_not_silu():
+    model = GemmThen(lambda m, x, y: m.fc(x) * torch.sigmoid(y))
+    optimized = assert_fuses(model, (rows(), torch.randn(BATCH, OUT)), regions=1)
+    assert fused_programs(optimized) == ["mul(%0,$0)"]
+    assert len(leftover_compute(optimized)) == 1  # the sigmoid of the input
+
+
+def test_gemm_without_any_epilogue_is_left_alone():
+    model = nn.Sequential(nn.Linear(IN, OUT))
+    assert_not_fused(model, (rows(),), reason="no epilogue op follows the GEMM")
+
+
+def test_instance_norm_module_needs_known_rank():
+    model = GemmThen(lambda m, x, y: m.norm(m.fc(x)), norm=nn.InstanceNorm1d(BATCH))
+    optimized = fxfuse.optimize(model)  # no example inputs: the rank of the output is unknown
+    assert fused_op_count(optimized) == 0
+    assert_reason(optimized, "the rank is unknown (pass example inputs)")
