@@ -6,9 +6,11 @@ Entry point: ``fuse_graph(gm) -> Report``; it rewrites ``gm`` in place. The same
 from __future__ import annotations
 
 import logging
+import re
 
 import torch
 import torch.fx as fx
+import torch.nn as nn
 
 from .canonicalize import LINEAR, Attr, canonicalize
 from .library import gemm_epilogue
@@ -26,7 +28,8 @@ def location_of(node: fx.Node) -> str:
     if stack:
         path = list(stack.values())[-1]
         path = path[0] if isinstance(path, tuple) else path
-        return str(path).replace("L['self'].", "").replace("L__self___", "") or "<model>"
+        # Dynamo names the compiled module L['self'] (or L['fn'] for a compiled Sequential): drop that root.
+        return re.sub(r"^L\['\w+'\]\.?", "", str(path)).replace("L__self___", "") or "<model>"
     return "<model>"
 
 
@@ -34,11 +37,29 @@ def _tensor_node(graph: fx.Graph, obj):
     return graph.get_attr(obj.path) if isinstance(obj, Attr) else obj
 
 
+def _behaves_differently_in_training(module: nn.Module) -> bool:
+    if isinstance(module, nn.modules.dropout._DropoutNd):
+        return module.p > 0
+    return isinstance(module, nn.modules.batchnorm._BatchNorm)
+
+
+def require_eval_mode(module: nn.Module, path: str) -> None:
+    """Called by rewritten graphs for each eval-mode Dropout or BatchNorm module folded into a fused op."""
+    if module.training:
+        raise RuntimeError(f"fxfuse: `{path}` was in eval mode when it was fused, so this graph has none of its "
+                           "train-mode behaviour; to train, run fxfuse.optimize() on the model in train mode "
+                           "(or use torch.compile(model, backend='fxfuse'), which recompiles on a mode change)")
+
+
 def _replace(gm: fx.GraphModule, region: Region, position: dict) -> fx.Node:
     graph = gm.graph
     last = max(region.members, key=position.get)
     after = last.next
     with graph.inserting_before(after):
+        # The region relied on these modules being in eval mode: a later .train() must not go unnoticed.
+        for member in region.members:
+            if member.op == "call_module" and _behaves_differently_in_training(gm.get_submodule(member.target)):
+                graph.call_function(require_eval_mode, (graph.get_attr(member.target), member.target))
         weight = _tensor_node(graph, region.weight)
         if region.transpose_weight:
             weight = graph.call_function(torch.t, (weight,))

@@ -14,6 +14,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from fxfuse.rewrite import require_eval_mode
 from fxfuse.testing import assert_fuses
 
 IN, OUT, BATCH = 24, 40, 3  # 40 output features: not a multiple of 32
@@ -36,7 +37,7 @@ class GemmThen(nn.Module):
         return self.epilogue(self, x, y)
 
 
-# Nodes a fully fused graph may still hold besides the fused ops: inputs, attributes, the output, and the
+# Nodes a fully fused graph may still hold besides the fused ops (and their eval-mode checks): inputs, attributes, the output, and the
 # transpose of a weight that the GEMM reads as `x @ W`.
 _BOOKKEEPING = {"placeholder", "get_attr", "output"}
 
@@ -48,7 +49,7 @@ def leftover_compute(module: nn.Module) -> list[str]:
         for node in graph_module.graph.nodes:
             if node.op in _BOOKKEEPING:
                 continue
-            if node.target is torch.ops.fxfuse.gemm_epilogue.default:
+            if node.target in (torch.ops.fxfuse.gemm_epilogue.default, require_eval_mode):
                 continue
             if node.target is torch.t and node.args[0].op == "get_attr":
                 continue

@@ -1,0 +1,168 @@
+"""The torch.compile backend "fxfuse": fuse the GEMM-epilogue chains of Dynamo's graphs, then compile them.
+
+Entry points:
+
+- ``torch.compile(model, backend="fxfuse")``: Inductor compiles the fused graph. The name is registered
+  when fxfuse is imported, and through the ``torch_dynamo_backends`` entry point without importing it.
+- ``torch.compile(model, backend="fxfuse", options={"inner": "eager"})``: choose the inner compiler (a
+  backend name or a callable); the other options and ``mode`` go to it, as torch.compile would pass them.
+- ``fxfuse.make_backend(inner="inductor", mode=None, **inner_options)``: the same, as a backend callable.
+
+Each graph Dynamo hands over is rewritten in place by ``fuse_graph``, the pass behind ``optimize()``. The
+fused op is a torch.library custom op with a fake implementation and registered autograd, so Dynamo,
+AOTAutograd and Inductor (as an extern kernel) take it like any aten op: it adds no graph break, guard or
+recompile of its own.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+from .rewrite import fuse_graph
+
+logger = logging.getLogger("fxfuse")
+
+BACKEND_NAME = "fxfuse"
+DEFAULT_INNER = "inductor"
+
+CompilerFn = Callable[[fx.GraphModule, Sequence[Any]], Callable]
+
+
+def _load_kernels_for(example_inputs: Sequence[Any]) -> None:
+    """Load the CUDA kernels before a graph with CUDA inputs is compiled (its op then dispatches to them)."""
+    if not any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs):
+        return
+    try:
+        from .kernels import load
+    except ImportError as error:
+        logger.info("fxfuse: CUDA kernels unavailable (%s); the fused op runs its reference", error)
+        return
+    load()
+
+
+def _inner_compiler(inner: str | CompilerFn, mode: str | None, inner_options: dict[str, Any]) -> CompilerFn:
+    """The compiler that takes the fused graph, chosen by name or given as a callable."""
+    if callable(inner):
+        if inner_options or mode:
+            raise TypeError("fxfuse: options and mode are for a named inner compiler, not a callable")
+        return inner
+    if inner == BACKEND_NAME:
+        raise ValueError("fxfuse: the inner compiler can't be fxfuse itself")
+    if inner == "inductor":
+        # torch.compile's own Inductor wrapper: it applies `mode` and checks each option against the config.
+        return torch._TorchCompileInductorWrapper(mode, inner_options, None)
+    from torch._dynamo.backends.registry import lookup_backend
+
+    backend = lookup_backend(inner)
+    kwargs = {}
+    if mode and mode != "default":
+        kwargs["mode"] = mode
+    if inner_options:
+        kwargs["options"] = inner_options
+    return (lambda gm, example_inputs: backend(gm, example_inputs, **kwargs)) if kwargs else backend
+
+
+def _is_real_tensor(value) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return isinstance(value, torch.Tensor) and not is_fake(value)
+
+
+def pin_traced_scalars(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> int:
+    """Turn the module floats that Dynamo passes as graph inputs (``dynamic=True``) back into constants.
+
+    Dynamo hands such a float (GroupNorm's eps, a LeakyReLU slope) over as a 0-d float64 tensor that the
+    graph reads with ``.item()``. The fused op's program needs the number itself, so each read is replaced
+    by its value at compile time, and an in-graph check (``_assert_async``) makes a later call with another
+    value fail loudly instead of computing with a stale one. Only reads that feed ops of the fxfuse
+    vocabulary are pinned. Returns how many were.
+    """
+    from .canonicalize import canonical_of
+
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    value_of = dict(zip(placeholders, example_inputs))
+    pinned = 0
+    for node in list(gm.graph.nodes):
+        if not (node.op == "call_method" and node.target == "item" and node.args[0] in value_of):
+            continue
+        source = value_of[node.args[0]]
+        if not (_is_real_tensor(source) and source.dim() == 0 and source.is_floating_point()):
+            continue
+        if not node.users or any(canonical_of(user, gm) is None for user in node.users):
+            continue
+        value = source.item()
+        with gm.graph.inserting_before(node):
+            same = gm.graph.call_function(torch.eq, (node.args[0], value))
+            gm.graph.call_function(torch._assert_async, (same, f"fxfuse: {node.args[0].name} was {value!r} when "
+                                                               "this graph was compiled; call torch._dynamo.reset()"))
+        node.replace_all_uses_with(value)
+        gm.graph.erase_node(node)
+        pinned += 1
+    if pinned:
+        gm.recompile()
+    return pinned
+
+
+class FxfuseBackend:
+    """A torch.compile backend: ``fuse_graph`` on each graph, then the inner compiler.
+
+    ``reports`` keeps the fxfuse report of every graph this backend compiled, in order.
+    """
+
+    def __init__(self, inner: str | CompilerFn = DEFAULT_INNER, mode: str | None = None, **inner_options):
+        self.inner = inner
+        self.mode = mode
+        self.inner_options = inner_options
+        self.compile_inner = _inner_compiler(inner, mode, dict(inner_options))
+        self.reports = []
+        inner_name = inner if isinstance(inner, str) else getattr(inner, "__name__", type(inner).__name__)
+        self.__name__ = f"{BACKEND_NAME}[{inner_name}]"
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]):
+        _load_kernels_for(example_inputs)
+        pin_traced_scalars(gm, example_inputs)
+        report = fuse_graph(gm)
+        self.reports.append(report)
+        logger.info("fxfuse backend: %s", report)
+        return self.compile_inner(gm, example_inputs)
+
+    def __eq__(self, other):  # equal backends share Dynamo's compiled code
+        return (isinstance(other, FxfuseBackend) and (self.inner, self.mode, self.inner_options)
+                == (other.inner, other.mode, other.inner_options))
+
+    def __hash__(self):
+        return hash((BACKEND_NAME, repr(self.inner), self.mode))
+
+
+def make_backend(inner: str | CompilerFn = DEFAULT_INNER, mode: str | None = None, **inner_options) -> FxfuseBackend:
+    """A backend for ``torch.compile(model, backend=...)`` that fuses, then compiles with `inner`.
+
+    `inner` is a torch.compile backend name ("inductor", "eager", "aot_eager", ...) or a callable
+    ``(gm, example_inputs) -> callable``. `mode` and `inner_options` go to a named inner compiler, as
+    torch.compile's ``mode`` and ``options`` would (for Inductor: its config options).
+    """
+    return FxfuseBackend(inner, mode, **inner_options)
+
+
+def fxfuse_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None,
+                   options: dict[str, Any] | None = None):
+    """The backend registered as "fxfuse". ``options["inner"]`` picks the inner compiler (default Inductor);
+    the other options and `mode` go to it."""
+    inner_options = dict(options or {})
+    inner = inner_options.pop("inner", DEFAULT_INNER)
+    return FxfuseBackend(inner, mode, **inner_options)(gm, example_inputs)
+
+
+def register() -> None:
+    """Register "fxfuse" with Dynamo, unless it is registered or Dynamo is loading it from the entry point."""
+    from torch._dynamo.backends import registry
+
+    compilers = getattr(registry, "_COMPILER_FNS", {})
+    pending_entry_point = getattr(registry, "_BACKENDS", {}).get(BACKEND_NAME)
+    if BACKEND_NAME in compilers or pending_entry_point is not None:
+        # lookup_backend() registers what the entry point loads right after this import returns.
+        return
+    registry.register_backend(fxfuse_backend, name=BACKEND_NAME)
