@@ -139,6 +139,10 @@ def optimize(model: nn.Module, example_inputs: Sequence[Any] | None = None, **op
     report = Report()
     optimized = _optimize(model, tuple(example_inputs) if example_inputs is not None else None, "", report)
     optimized.fxfuse_report = report
+    if isinstance(optimized, fx.GraphModule):
+        # GraphModule's deepcopy rebuilds the module and keeps, of its plain attributes, only these.
+        preserved = getattr(fx.graph_module, "_USER_PRESERVED_ATTRIBUTES_KEY", "_user_preserved_attributes")
+        optimized.meta.setdefault(preserved, {})["fxfuse_report"] = report
     logger.info("%s", report)
     return optimized
 

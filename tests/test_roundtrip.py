@@ -1,0 +1,173 @@
+"""An optimized module is still the user's model: same parameters, same state_dict, and it survives deepcopy,
+pickle and torch.save/torch.load. Models that can't be traced as a whole get their traceable children
+optimized and still run.
+"""
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxfuse
+from fxfuse.testing import assert_close_report, assert_fuses, fused_op_count
+
+
+class Block(nn.Module):
+    """Linear -> + bias -> Hardtanh -> Mish -> GroupNorm, then an eval-mode BatchNorm'd second GEMM."""
+
+    def __init__(self, in_features=24, out_features=40):
+        super().__init__()
+        self.fc = nn.Linear(in_features, out_features)
+        self.bias = nn.Parameter(torch.randn(out_features) * 0.1)
+        self.act = nn.Hardtanh()
+        self.norm = nn.GroupNorm(4, out_features)
+        self.proj = nn.Linear(out_features, 16, bias=False)
+        self.bn = nn.BatchNorm1d(16)
+        self.register_buffer("scale", torch.rand(16) + 0.5)
+
+    def forward(self, x):
+        h = self.norm(F.mish(self.act(self.fc(x) + self.bias)))
+        return self.bn(self.proj(h)) * self.scale
+
+
+def optimized_block():
+    model = Block().eval()
+    model.bn.running_mean.normal_()
+    model.bn.running_var.uniform_(0.5, 2.0)
+    optimized = assert_fuses(model, (torch.randn(3, 24),), regions=2)
+    return model, optimized
+
+
+def test_state_dict_has_the_same_keys_and_the_same_tensors():
+    model, optimized = optimized_block()
+    original, fused = model.state_dict(keep_vars=True), optimized.state_dict(keep_vars=True)
+    assert list(fused) == list(original)
+    for key, tensor in original.items():
+        assert fused[key] is tensor, f"{key} is a different tensor object"
+
+
+def test_optimized_module_loads_a_state_dict():
+    model, optimized = optimized_block()
+    other = Block().eval()
+    optimized.load_state_dict(other.state_dict())
+    x = torch.randn(3, 24)
+    with torch.no_grad():
+        assert_close_report(optimized(x), other(x))
+
+
+def test_optimizer_step_on_the_original_parameters_is_seen():
+    model, optimized = optimized_block()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    x = torch.randn(3, 24)
+    model(x).square().sum().backward()
+    optimizer.step()
+    with torch.no_grad():
+        assert_close_report(optimized(x), model(x))
+
+
+def test_gradients_reach_the_original_parameters_through_the_fused_op():
+    model, optimized = optimized_block()
+    x = torch.randn(3, 24)
+    model(x).square().sum().backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    optimized(x).square().sum().backward()
+    for name, p in model.named_parameters():
+        assert_close_report(p.grad, expected[name], rtol=1e-4, atol=1e-5, what=f"grad of {name}")
+
+
+def roundtrip_deepcopy(module):
+    return copy.deepcopy(module)
+
+
+def roundtrip_pickle(module):
+    return pickle.loads(pickle.dumps(module))
+
+
+def roundtrip_torch_save(module):
+    buffer = io.BytesIO()
+    torch.save(module, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("roundtrip", [roundtrip_deepcopy, roundtrip_pickle, roundtrip_torch_save],
+                         ids=["deepcopy", "pickle", "torch.save"])
+def test_roundtrip_keeps_the_fused_module_working(roundtrip):
+    model, optimized = optimized_block()
+    restored = roundtrip(optimized)
+    assert fused_op_count(restored) == 2
+    assert list(restored.state_dict()) == list(model.state_dict())
+    for key, tensor in model.state_dict().items():
+        assert torch.equal(restored.state_dict()[key], tensor), key
+    x = torch.randn(5, 24)
+    with torch.no_grad():
+        assert_close_report(restored(x), model(x))
+    assert str(restored.fxfuse_report) == str(optimized.fxfuse_report)
+
+
+def test_state_dict_saved_from_the_optimized_module_loads_into_a_fresh_model():
+    model, optimized = optimized_block()
+    buffer = io.BytesIO()
+    torch.save(optimized.state_dict(), buffer)
+    buffer.seek(0)
+    fresh = Block().eval()
+    fresh.load_state_dict(torch.load(buffer))
+    x = torch.randn(3, 24)
+    with torch.no_grad():
+        assert_close_report(fresh(x), model(x))
+
+
+# ---------------------------------------------------------------- models that can't be traced as a whole
+
+
+class DataDependent(nn.Module):
+    """Its forward branches on a tensor value, which symbolic tracing can't follow; its children can be."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Sequential(nn.Linear(24, 40), nn.GELU(), nn.LayerNorm(40))
+        self.tail = nn.Sequential(nn.Linear(40, 8), nn.Tanh())
+        self.other = nn.Sequential(nn.Linear(40, 8), nn.Sigmoid())
+
+    def forward(self, x):
+        h = self.head(x)
+        if h.sum() > 0:
+            return self.tail(h)
+        return self.other(h)
+
+
+@pytest.mark.parametrize("with_example_inputs", [True, False], ids=["example-inputs", "no-inputs"])
+def test_untraceable_model_gets_its_children_optimized(with_example_inputs):
+    model = DataDependent().eval()
+    x = torch.randn(3, 24)
+    optimized = fxfuse.optimize(model, (x,) if with_example_inputs else None)
+    assert fused_op_count(optimized) == 3
+    assert optimized.fxfuse_report.skipped, "the model itself is reported as left in eager"
+    assert "TraceError" in optimized.fxfuse_report.skipped[0].reason
+    for sign in (1.0, -1.0):
+        with torch.no_grad():
+            assert_close_report(optimized(sign * x), model(sign * x))
+    assert list(optimized.state_dict()) == list(model.state_dict())
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        assert optimized.state_dict(keep_vars=True)[key] is tensor, key
+
+
+def test_untraceable_model_roundtrips_through_torch_save():
+    model = DataDependent().eval()
+    restored = roundtrip_torch_save(fxfuse.optimize(model))
+    x = torch.randn(3, 24)
+    with torch.no_grad():
+        assert_close_report(restored(x), model(x))
+    assert fused_op_count(restored) == 3
+
+
+def test_optimize_does_not_change_the_original_model():
+    model = DataDependent().eval()
+    before = [type(m) for m in model.modules()]
+    fxfuse.optimize(model, (torch.randn(3, 24),))
+    assert [type(m) for m in model.modules()] == before
+    assert fused_op_count(model) == 0
