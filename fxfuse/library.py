@@ -48,15 +48,24 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_output):
-    """Recompute the forward with the reference under autograd and differentiate it."""
+    """Recompute the forward with the reference under autograd and differentiate it.
+
+    Under ``backward(create_graph=True)`` (grad mode on here) the saved inputs themselves are differentiated,
+    so the gradients are differentiable in turn (double backward, gradgradcheck).
+    """
     x, weight, bias, *params = ctx.saved_tensors
     inputs = [x, weight, bias, *params]
     needs = [t is not None and t.is_floating_point() and t.requires_grad for t in inputs]
+    create_graph = torch.is_grad_enabled()
     with torch.enable_grad():
-        leaves = [t.detach().requires_grad_(need) if t is not None else None for t, need in zip(inputs, needs)]
+        if create_graph:
+            leaves = inputs
+        else:
+            leaves = [t.detach().requires_grad_(need) if t is not None else None for t, need in zip(inputs, needs)]
         out = run_reference(leaves[0], leaves[1], leaves[2], leaves[3:], ctx.program)
         wanted = [leaf for leaf, need in zip(leaves, needs) if need]
-        grads = iter(torch.autograd.grad(out, wanted, grad_output, allow_unused=True) if wanted else ())
+        grads = iter(torch.autograd.grad(out, wanted, grad_output, allow_unused=True, create_graph=create_graph)
+                     if wanted else ())
     result = [next(grads) if need else None for need in needs]
     return (result[0], result[1], result[2], result[3:], None) + (None,) * (ctx.num_inputs - 5)
 
