@@ -1,7 +1,8 @@
 """Helpers for pattern unit tests: prove that a model fuses, and that the fused model is right.
 
 Entry points: ``assert_fuses(model, inputs, regions=1)``, ``assert_not_fused(model, inputs)``,
-``fused_op_count(module)`` and ``assert_close_report(actual, expected)``.
+``fused_op_count(module)``, ``assert_close_report(actual, expected)``, and for training
+``gradients(model, inputs, params)`` and ``assert_gradients_match(model, candidate, inputs)``.
 """
 from __future__ import annotations
 
@@ -79,3 +80,35 @@ def assert_not_fused(model: nn.Module, inputs: Sequence, reason: str | None = No
         reasons = [m.reason for m in optimized.fxfuse_report.near_misses + optimized.fxfuse_report.skipped]
         assert any(reason in r for r in reasons), f"no near miss says {reason!r}; got {reasons}"
     return optimized
+
+
+def gradients(model, inputs: Sequence, params: Sequence[torch.Tensor], seed: int = 1234) -> list:
+    """Gradients of ``(model(*inputs) * cotangent).sum()`` for each floating input, then each of `params`.
+
+    The cotangent is random (fixed by `seed`), not ones: the gradient of a plain ``sum()`` through a norm is
+    zero in exact arithmetic, which would hide wrong gradients.
+    """
+    inputs = [t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t
+              for t in inputs]
+    outputs = _outputs(model(*inputs))
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    loss = sum((out * torch.randn(out.shape, generator=generator, dtype=out.dtype).to(out.device)).sum()
+               for out in outputs)
+    wanted = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad] + list(params)
+    return list(torch.autograd.grad(loss, wanted, allow_unused=True))
+
+
+def assert_gradients_match(model: nn.Module, candidate, inputs: Sequence, rtol=None, atol=None,
+                           params: Sequence[torch.Tensor] | None = None) -> None:
+    """The gradients of `candidate` (an optimized or compiled `model`) for the inputs and for every
+    parameter of `model` (shared with `candidate`, or given as `params`) equal eager's."""
+    params = [p for p in model.parameters() if p.requires_grad] if params is None else list(params)
+    expected = gradients(model, inputs, params)
+    actual = gradients(candidate, inputs, params)
+    names = [f"input {i}" for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    by_identity = {id(p): name for name, p in model.named_parameters()}
+    names += [f"parameter {by_identity.get(id(p), '?')}" for p in params]
+    for name, a, e in zip(names, actual, expected):
+        assert (a is None) == (e is None), f"gradient of {name}: {'missing' if a is None else 'unexpected'}"
+        if a is not None:
+            assert_close_report(a, e, rtol, atol, what=f"gradient of {name}")

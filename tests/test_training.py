@@ -1,0 +1,230 @@
+"""Training through the fused op: gradients for the input, the GEMM and every epilogue parameter match eager
+(gradcheck in float64, and optimized / compiled models against eager in float32), an optimizer step is the
+same step as eager's, and train-mode-only ops (Dropout with p > 0, train-mode BatchNorm) keep eager's
+behaviour.
+"""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxfuse
+from fxfuse.modelfile import example_files, load_model_file
+from fxfuse.testing import assert_close_report, assert_gradients_match, fused_op_count
+
+gemm_epilogue = torch.ops.fxfuse.gemm_epilogue
+
+M, K, N = 3, 5, 8
+
+# (program, shapes of params): each epilogue parameter kind the issue names, plus broadcasting and reductions.
+GRADCHECK_PROGRAMS = {
+    "group_norm_affine": ("group_norm(%0,$0,$1,4,1e-05);clamp(%1,-2.0,2.0)", [(N,), (N,)]),
+    "added_bias_vector_then_mish": ("add(%0,$0);clamp(%1,-1.0,1.0);mish(%2);group_norm(%3,$1,$2,2,1e-05)",
+                                    [(N,), (N,), (N,)]),
+    "scale_vector": ("mul(%0,$0);silu(%1);sub(%2,$1)", [(N,), (N,)]),
+    "row_min_then_broadcast_bias": ("group_norm(%0,$0,$1,4,1e-05);amin(%1,1,True);add(%2,$2)",
+                                    [(N,), (N,), (1, N, 1, 1)]),
+    "layer_norm_gelu_logsumexp": ("layer_norm(%0,$0,$1,1e-05);gelu(%1,'tanh');logsumexp(%2,-1,False)",
+                                  [(N,), (N,)]),
+    "rms_norm_softmax": ("rms_norm(%0,$0,1e-06);softmax(%1,-1)", [(N,)]),
+    "residual_and_outside_input": ("leaky_relu(%0,0.1);add(%1,%1);mul(%2,$0);div(%3,$1)", [(M, N), (N,)]),
+    "eval_batch_norm": ("batch_norm(%0,$0,$1,$2,$3,1e-05);elu(%1,1.0,1.0,1.0)", [(N,), (N,), (N,), (N,)]),
+}
+
+
+def _op_inputs(param_shapes, x_shape=(M, K), bias=True):
+    torch.manual_seed(0)
+    make = lambda *shape: torch.randn(*shape, dtype=torch.float64, requires_grad=True)  # noqa: E731
+    params = [make(*shape) for shape in param_shapes]
+    return make(*x_shape), make(N, K), make(N) if bias else None, params
+
+
+@pytest.mark.parametrize("case", sorted(GRADCHECK_PROGRAMS))
+def test_gradcheck_float64(case):
+    program, shapes = GRADCHECK_PROGRAMS[case]
+    x, weight, bias, params = _op_inputs(shapes)
+    if case == "eval_batch_norm":  # running statistics are buffers: no gradient, and the variance is positive
+        params[0].requires_grad_(False)
+        params[1] = params[1].detach().abs() + 0.5
+
+    def op(x, weight, bias, *params):
+        return gemm_epilogue(x, weight, bias, list(params), program)
+
+    assert torch.autograd.gradcheck(op, (x, weight, bias, *params))
+
+
+def test_gradcheck_without_bias_and_with_leading_dims():
+    x, weight, _, params = _op_inputs([(N,), (N,)], x_shape=(2, M, K), bias=False)
+    program = "layer_norm(%0,$0,$1,1e-05);hardswish(%1)"
+    assert torch.autograd.gradcheck(lambda x, w, g, b: gemm_epilogue(x, w, None, [g, b], program),
+                                    (x, weight, *params))
+
+
+@pytest.mark.parametrize("case", ["added_bias_vector_then_mish", "residual_and_outside_input"])
+def test_gradgradcheck_float64(case):
+    program, shapes = GRADCHECK_PROGRAMS[case]
+    x, weight, bias, params = _op_inputs(shapes)
+    assert torch.autograd.gradgradcheck(lambda *args: gemm_epilogue(args[0], args[1], args[2], list(args[3:]),
+                                                                    program), (x, weight, bias, *params))
+
+
+def test_only_requested_gradients_are_computed():
+    program, shapes = GRADCHECK_PROGRAMS["group_norm_affine"]
+    x, weight, bias, params = _op_inputs(shapes)
+    frozen_weight = weight.detach()
+    out = gemm_epilogue(x, frozen_weight, bias, params, program)
+    grads = torch.autograd.grad(out.sum(), [x, params[0]])
+    assert all(g is not None for g in grads)
+    out = gemm_epilogue(x.detach(), frozen_weight, bias, params, program)
+    out.sum().backward()
+    assert bias.grad is not None and frozen_weight.grad is None
+
+
+# ---------------------------------------------------------------- whole models against eager, float32
+
+EXAMPLES = {path.stem: path for path in example_files()}
+
+
+def _example(name, seed=0):
+    model, inputs = load_model_file(EXAMPLES[name], small=True).build(seed)
+    return model, inputs
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_optimized_example_gradients_match_eager(name):
+    model, inputs = _example(name)
+    optimized = fxfuse.optimize(model, inputs)
+    assert fused_op_count(optimized) == 1
+    assert_gradients_match(model, optimized, inputs, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("inner", ["eager", "aot_eager"])
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_compiled_example_gradients_match_eager(name, inner):
+    torch._dynamo.reset()
+    model, inputs = _example(name)
+    backend = fxfuse.make_backend(inner=inner)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    assert_gradients_match(model, compiled, inputs, rtol=1e-4, atol=1e-5)
+    assert [len(r.fused) for r in backend.reports] == [1]
+
+
+class MLP(nn.Module):
+    """Two fused GEMM blocks with every kind of epilogue parameter, trained end to end."""
+
+    def __init__(self, features=16, hidden=32):
+        super().__init__()
+        self.fc1 = nn.Linear(features, hidden)
+        self.shift = nn.Parameter(torch.randn(hidden) * 0.1)
+        self.norm = nn.GroupNorm(4, hidden)
+        self.fc2 = nn.Linear(hidden, hidden)
+        self.scale = nn.Parameter(torch.rand(hidden) + 0.5)
+        self.ln = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, 3)
+
+    def forward(self, x):
+        h = self.norm(torch.nn.functional.mish(self.fc1(x) + self.shift))
+        h = self.ln(torch.relu(self.fc2(h)) * self.scale)
+        return self.head(h)
+
+
+def _train(model, steps, optimizer_class, data, **optimizer_args):
+    optimizer = optimizer_class(model.parameters(), **optimizer_args)
+    losses = []
+    for x, target in data[:steps]:
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), target)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("how", ["optimize", "compile"])
+@pytest.mark.parametrize("optimizer", [(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+                                       (torch.optim.AdamW, {"lr": 1e-2})], ids=["sgd", "adamw"])
+def test_optimizer_steps_match_eager(how, optimizer):
+    torch._dynamo.reset()
+    eager = MLP().train()
+    fused_copy = copy.deepcopy(eager)
+    data = [(torch.randn(6, 16), torch.randint(0, 3, (6,))) for _ in range(3)]
+    if how == "optimize":
+        model = fxfuse.optimize(fused_copy, (data[0][0],))
+        assert fused_op_count(model) == 2
+    else:
+        backend = fxfuse.make_backend(inner="eager")
+        model = torch.compile(fused_copy, backend=backend)
+    optimizer_class, args = optimizer
+    expected = _train(eager, 3, optimizer_class, data, **args)
+    actual = _train(model, 3, optimizer_class, data, **args)
+    if how == "compile":
+        assert sum(len(r.fused) for r in backend.reports) == 2
+    assert actual == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    for (name, p_eager), p_fused in zip(eager.named_parameters(), fused_copy.parameters()):
+        assert_close_report(p_fused, p_eager, rtol=1e-4, atol=1e-5, what=f"parameter {name} after 3 steps")
+
+
+def test_optimized_parameters_are_the_trained_ones():
+    model = MLP().train()
+    optimized = fxfuse.optimize(model, (torch.randn(4, 16),))
+    _train(optimized, 1, torch.optim.SGD, [(torch.randn(4, 16), torch.randint(0, 3, (4,)))], lr=0.5)
+    assert all(p.grad is not None for p in model.parameters())
+
+
+# ---------------------------------------------------------------- train-mode-only ops
+
+class WithTrainModeOps(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 32)
+        self.bn = nn.BatchNorm1d(32)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return torch.relu(self.drop(self.bn(self.fc(x))))
+
+
+def test_train_mode_dropout_and_batch_norm_are_not_fused_and_behave_as_eager():
+    eager = WithTrainModeOps().train()
+    fused_copy = copy.deepcopy(eager)
+    x = torch.randn(8, 16)
+    optimized = fxfuse.optimize(fused_copy, (x,))
+    assert fused_op_count(optimized) == 0
+    torch.manual_seed(3)
+    expected = eager(x)
+    torch.manual_seed(3)
+    actual = optimized(x)
+    assert_close_report(actual, expected)
+    assert (expected == 0).float().mean() > 0.3  # dropout did drop
+    assert_close_report(fused_copy.bn.running_mean, eager.bn.running_mean, what="running_mean")
+    assert_close_report(fused_copy.bn.running_var, eager.bn.running_var, what="running_var")
+
+
+def test_train_mode_ops_under_compile_behave_as_eager_in_both_modes():
+    torch._dynamo.reset()
+    eager = WithTrainModeOps().train()
+    fused_copy = copy.deepcopy(eager)
+    backend = fxfuse.make_backend(inner="eager")
+    compiled = torch.compile(fused_copy, backend=backend)
+    x = torch.randn(8, 16)
+    torch.manual_seed(3)
+    expected = eager(x)
+    torch.manual_seed(3)
+    assert_close_report(compiled(x), expected)
+    assert_close_report(fused_copy.bn.running_mean, eager.bn.running_mean, what="running_mean")
+    assert len(backend.reports[-1].fused) == 0
+    eager.eval(), fused_copy.eval()
+    assert_close_report(compiled(x), eager(x))
+    assert len(backend.reports[-1].fused) == 1  # eval mode: BatchNorm folded, Dropout is the identity
+
+
+def test_eval_mode_fusion_refuses_to_run_in_train_mode():
+    model = WithTrainModeOps().eval()
+    x = torch.randn(8, 16)
+    optimized = fxfuse.optimize(model, (x,))
+    assert fused_op_count(optimized) == 1
+    assert_close_report(optimized(x), model(x))
+    optimized.train()
+    with pytest.raises(RuntimeError, match="was in eval mode when it was fused"):
+        optimized(x)
