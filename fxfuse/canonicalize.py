@@ -143,6 +143,13 @@ def _elu(a, inplace):
     return Canonical("elu", (a["input"],), attrs, inplace_of=_inplace(a, inplace))
 
 
+@spelling("(input, alpha=1, scale=1, input_scale=1)", functions=(torch.ops.aten.elu, torch.ops.aten.elu.default))
+def _aten_elu(a, inplace):
+    # The general form, which elu's reference (fxfuse.epilogue) calls.
+    attrs = {name: _number(a[name], f"elu's {name}") for name in ("alpha", "scale", "input_scale")}
+    return Canonical("elu", (a["input"],), attrs)
+
+
 @spelling("(input, inplace=False)", functions=(F.selu, torch.selu), inplace_functions=_optional("selu_"))
 def _selu(a, inplace):
     attrs = {"alpha": 1.6732632423543772848170429916717, "scale": 1.0507009873554804934193349852946,
@@ -244,23 +251,48 @@ def _group_norm(a, inplace):
                      {"num_groups": int(a["num_groups"]), "eps": float(a["eps"])})
 
 
-def _last_dim_only(normalized_shape, what):
-    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
-    if len(shape) != 1:
-        raise NotFusible(f"{what} over {len(shape)} dims, not the features alone")
+def _last_dim_of(node: fx.Node) -> list[fx.Node] | None:
+    """If `node` computes the size of some tensor's last dim as an int or a 1-long torch.Size
+    (`t.shape[-1:]`, `t.shape[-1]`, `t.size(-1)`, `t.size()[-1:]`), the nodes of that expression, last first."""
+    def shape_of(source):
+        return (source.op == "call_function" and source.target is builtins.getattr and source.args[1] == "shape"
+                or source.op == "call_method" and source.target == "size" and len(source.args) == 1)
+
+    if node.op == "call_method" and node.target == "size" and node.args[1:] == (-1,):
+        return [node]
+    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node) \
+            and node.args[1] in (-1, slice(-1, None, None)) and shape_of(node.args[0]):
+        return [node, node.args[0]]
+    return None
+
+
+def _last_dim_only(normalized_shape, input, what) -> tuple[fx.Node, ...]:
+    """Check that `normalized_shape` is the features alone. Return the nodes that compute it from `input`
+    (`input.shape[-1:]`), which the norm then stands for, so that they don't keep `input` alive."""
+    items = [normalized_shape] if isinstance(normalized_shape, (int, fx.Node)) else list(normalized_shape)
+    computed = [item for item in items if isinstance(item, fx.Node)]
+    expressions = [_last_dim_of(item) for item in computed]
+    if any(e is None for e in expressions):
+        raise NotFusible(f"{what}'s normalized_shape is computed in the graph")
+    if len(items) != 1:
+        raise NotFusible(f"{what} over {len(items)} dims, not the features alone")
+    covers = [n for e in expressions for n in e]
+    if all(len(n.users) == 1 for n in covers) and all(e[-1].args[0] is input for e in expressions):
+        return tuple(covers)
+    return ()
 
 
 @spelling("(input, normalized_shape, weight=None, bias=None, eps=1e-05)", functions=(F.layer_norm,))
 def _layer_norm(a, inplace):
-    _last_dim_only(a["normalized_shape"], "layer_norm")
-    return Canonical("layer_norm", (a["input"], a["weight"], a["bias"]), {"eps": float(a["eps"])})
+    covers = _last_dim_only(a["normalized_shape"], a["input"], "layer_norm")
+    return Canonical("layer_norm", (a["input"], a["weight"], a["bias"]), {"eps": float(a["eps"])}, covers=covers)
 
 
 @spelling("(input, normalized_shape, weight=None, eps=None)", functions=(F.rms_norm,))
 def _rms_norm(a, inplace):
-    _last_dim_only(a["normalized_shape"], "rms_norm")
+    covers = _last_dim_only(a["normalized_shape"], a["input"], "rms_norm")
     eps = None if a["eps"] is None else float(a["eps"])
-    return Canonical("rms_norm", (a["input"], a["weight"]), {"eps": eps})
+    return Canonical("rms_norm", (a["input"], a["weight"]), {"eps": eps}, covers=covers)
 
 
 @spelling("(input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1, eps=1e-05)",

@@ -271,3 +271,9 @@ def test_instance_norm_module_needs_known_rank():
     optimized = fxfuse.optimize(model)  # no example inputs: the rank of the output is unknown
     assert fused_op_count(optimized) == 0
     assert_reason(optimized, "the rank is unknown (pass example inputs)")
+
+
+def test_shape_of_a_region_value_read_twice_keeps_that_value_alive():
+    """`n = h.shape[-1:]` used by the norm and elsewhere can't be folded into the norm: `h` is used outside."""
+    model = GemmThen(lambda m, x, y: (lambda h, n: F.layer_norm(h, n) * n[0])(*(lambda h: (h, h.shape[-1:]))(m.fc(x))))
+    assert_not_fused(model, (rows(),), reason="intermediate `fc` is also used by `getattr_1`")

@@ -1,0 +1,94 @@
+"""Generic tests over the whole epilogue vocabulary (``fxfuse.epilogue.EPILOGUE_OPS``).
+
+For every op and every attribute set in its ``samples``, a model calls the op's *reference* directly after a
+Linear; it must become one fused op whose program is exactly that op, and match eager. Adding an op to the
+vocabulary adds these tests: its reference is a spelling the pass must recognise.
+"""
+import pytest
+import torch
+import torch.nn as nn
+
+from epilogue_models import BATCH, IN, OUT, assert_whole_chain_fused, fused_programs
+from fxfuse.epilogue import EPILOGUE_OPS, NORM, POINTWISE, REDUCTION
+
+
+class LinearThenReference(nn.Module):
+    """Linear, then `reference(h, *operands, **attrs)`; tensor operands are parameters or buffers."""
+
+    def __init__(self, op, attrs, operands):
+        super().__init__()
+        self.fc = nn.Linear(IN, OUT)
+        self.reference = EPILOGUE_OPS[op].reference
+        self.attrs = dict(attrs)
+        self.operand_names = []
+        for i, operand in enumerate(operands):
+            name = f"operand{i}"
+            if isinstance(operand, nn.Parameter):
+                self.register_parameter(name, operand)
+            elif isinstance(operand, torch.Tensor):
+                self.register_buffer(name, operand)
+            else:
+                setattr(self, name, operand)
+            self.operand_names.append(name)
+        self.first = 0  # the position of the region's value among the operands
+
+    def forward(self, x):
+        operands = [getattr(self, name) for name in self.operand_names]
+        operands.insert(self.first, self.fc(x))
+        return self.reference(*operands, **self.attrs)
+
+
+def per_feature(name):
+    if name == "running_var":
+        return torch.rand(OUT) + 0.5
+    if name == "running_mean":
+        return torch.randn(OUT)
+    return nn.Parameter(torch.randn(OUT))
+
+
+def cases():
+    """(op, attrs, other operands, position of the region value, expected operand text) for every op."""
+    for name, spec in EPILOGUE_OPS.items():
+        for attrs in spec.samples:
+            others = spec.operands[1:]
+            label = ",".join(f"{k}={v}" for k, v in attrs.items())
+            if spec.is_binary:
+                for operand, kind in ((lambda: nn.Parameter(torch.randn(OUT)), "vector"), (lambda: 2.5, "scalar")):
+                    for first in (0, 1):
+                        yield pytest.param(name, attrs, operand, first, id=f"{name}-{kind}-{'ab'[first]}-first")
+            elif others:
+                yield pytest.param(name, attrs, lambda others=others: [per_feature(o) for o in others], 0,
+                                   id=f"{name}-{label}-with-tensors")
+                if all(o in ("weight", "bias") for o in others):
+                    yield pytest.param(name, attrs, lambda others=others: [None for _ in others], 0,
+                                       id=f"{name}-{label}-without-affine")
+            else:
+                yield pytest.param(name, attrs, lambda: [], 0, id=f"{name}-{label}")
+
+
+@pytest.mark.parametrize("op, attrs, make_operands, first", list(cases()))
+def test_every_vocabulary_op_fuses_through_its_reference(op, attrs, make_operands, first):
+    operands = make_operands()
+    operands = operands if isinstance(operands, list) else [operands]
+    model = LinearThenReference(op, attrs, operands).eval()
+    model.first = first
+    optimized = assert_whole_chain_fused(model, (torch.randn(BATCH, IN),))
+    (program,) = fused_programs(optimized)
+    assert program.split("(")[0] == op and ";" not in program, f"{op} became {program}"
+
+
+def test_every_op_has_a_kind_and_samples_that_match_its_attributes():
+    for name, spec in EPILOGUE_OPS.items():
+        assert spec.kind in (POINTWISE, NORM, REDUCTION), name
+        for sample in spec.samples:
+            assert set(sample) == set(spec.attrs), f"{name}: sample {sample} vs attributes {spec.attrs}"
+        if spec.feature_dim_attr:
+            assert spec.feature_dim_attr in spec.attrs, name
+
+
+def test_issue_2_vocabulary_is_covered():
+    required = {"add", "sub", "mul", "div", "neg", "clamp", "relu", "leaky_relu", "elu", "gelu", "silu", "mish",
+                "sigmoid", "tanh", "softplus", "hardswish", "hardsigmoid", "exp", "log", "abs", "pow",
+                "group_norm", "layer_norm", "rms_norm", "batch_norm", "softmax", "log_softmax",
+                "sum", "mean", "amax", "amin", "logsumexp"}
+    assert required <= set(EPILOGUE_OPS), sorted(required - set(EPILOGUE_OPS))
