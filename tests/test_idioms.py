@@ -1,0 +1,119 @@
+"""Multi-node idioms: the built-in ones (fxfuse.patterns) in any spelling of their ops, and idioms that user code
+declares with ``fxfuse.idiom`` without editing fxfuse. Scalars of an idiom are captured, never baked in.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxfuse
+from epilogue_models import BATCH, IN, GemmThen, assert_whole_chain_fused, fused_programs
+from fxfuse import idioms
+
+
+@pytest.fixture
+def scratch_idioms():
+    """Idioms declared in a test are forgotten after it."""
+    saved = list(idioms.IDIOMS)
+    yield
+    idioms.IDIOMS[:] = saved
+
+
+def program_of(epilogue, x=None, **extras):
+    model = GemmThen(epilogue, **extras)
+    optimized = assert_whole_chain_fused(model, (torch.randn(BATCH, IN) if x is None else x,))
+    (program,) = fused_programs(optimized)
+    return program
+
+
+def on_gemm(fn):
+    return lambda m, x, y: fn(m.fc(x))
+
+
+# ---------------------------------------------------------------- built-in idioms, in other spellings of their ops
+
+
+BUILT_IN = {
+    "silu: x*torch.sigmoid(x)": (on_gemm(lambda h: h * torch.sigmoid(h)), "silu(%0)"),
+    "silu: x.sigmoid().mul(x)": (on_gemm(lambda h: h.sigmoid().mul(h)), "silu(%0)"),
+    "mish: x*F.softplus(x).tanh()": (on_gemm(lambda h: h * F.softplus(h).tanh()), "mish(%0)"),
+    "mish: x*tanh(softplus(x, beta=1, threshold=20))": (
+        on_gemm(lambda h: h * torch.tanh(F.softplus(h, 1.0, 20.0))), "mish(%0)"),
+    "hardswish: x*clamp(x+3,0,6)/6": (on_gemm(lambda h: h * torch.clamp(h + 3.0, 0.0, 6.0) / 6.0), "hardswish(%0)"),
+    "hardswish: x*F.hardtanh(x+3,0,6)/6": (on_gemm(lambda h: h * F.hardtanh(h + 3, 0, 6) / 6), "hardswish(%0)"),
+    "gelu-tanh spelled out": (on_gemm(lambda h: 0.5 * h * (1.0 + torch.tanh(
+        0.7978845608028654 * (h + 0.044715 * torch.pow(h, 3.0))))), "gelu(%0,'tanh')"),
+    "elu via where, alpha captured": (
+        on_gemm(lambda h: torch.where(h > 0, h, 0.7 * (torch.exp(h) - 1.0))), "elu(%0,0.7,1.0,1.0)"),
+    "elu via where, other alpha": (
+        on_gemm(lambda h: torch.where(h > 0, h, 1.3 * (h.exp() - 1))), "elu(%0,1.3,1.0,1.0)"),
+}
+
+
+@pytest.mark.parametrize("name", list(BUILT_IN))
+def test_built_in_idiom_in_another_spelling(name):
+    epilogue, program = BUILT_IN[name]
+    assert program_of(epilogue) == program
+
+
+NOT_THE_IDIOM = {
+    "x*sigmoid(2x) is not silu": (on_gemm(lambda h: h * torch.sigmoid(h * 2.0)), "silu"),
+    "x*tanh(softplus(x, beta=2)) is not mish": (on_gemm(lambda h: h * torch.tanh(F.softplus(h, beta=2.0))), "mish"),
+    "x*relu6(x+2)/6 is not hardswish": (on_gemm(lambda h: h * F.relu6(h + 2.0) / 6.0), "hardswish"),
+    "gelu with another constant is not gelu": (on_gemm(lambda h: 0.5 * h * (1.0 + torch.tanh(
+        0.79 * (h + 0.044715 * torch.pow(h, 3.0))))), "gelu"),
+}
+
+
+@pytest.mark.parametrize("name", list(NOT_THE_IDIOM))
+def test_near_idiom_is_not_that_op(name):
+    """A near idiom is not recognised as the op; what of it is in the vocabulary still fuses, and matches."""
+    epilogue, op = NOT_THE_IDIOM[name]
+    model = GemmThen(epilogue)
+    optimized = fxfuse.testing.assert_fuses(model, (torch.randn(BATCH, IN),), regions=1)
+    assert op + "(" not in fused_programs(optimized)[0]
+
+
+def test_elu_spelling_with_another_threshold_is_not_elu():
+    model = GemmThen(on_gemm(lambda h: torch.where(h > 1, h, 0.7 * (torch.exp(h) - 1.0))))
+    fxfuse.testing.assert_not_fused(model, (torch.randn(BATCH, IN),), reason="`where` (where) is not an epilogue op")
+
+
+# ---------------------------------------------------------------- user-declared idioms
+
+
+def test_user_declared_idiom_fuses(scratch_idioms):
+    @fxfuse.idiom("silu")
+    def silu_as_division(x):
+        return x / (1.0 + torch.exp(-x))
+
+    assert program_of(on_gemm(lambda h: h / (1.0 + torch.exp(-h)))) == "silu(%0)"
+
+
+def test_user_idiom_captures_its_keyword_only_scalars(scratch_idioms):
+    @fxfuse.idiom("leaky_relu")
+    def leaky_relu_by_maximum(x, *, negative_slope):
+        return torch.where(x >= 0, x, x * negative_slope)
+
+    assert program_of(on_gemm(lambda h: torch.where(h >= 0, h, h * 0.05))) == "leaky_relu(%0,0.05)"
+    assert program_of(on_gemm(lambda h: torch.where(h >= 0, h, 0.3 * h))) == "leaky_relu(%0,0.3)"
+
+
+def test_user_idiom_with_fixed_attributes(scratch_idioms):
+    @fxfuse.idiom("clamp", min=0.0, max=1.0)
+    def unit_clamp(x):
+        return torch.minimum(torch.relu(x), torch.ones_like(x))
+
+    assert program_of(on_gemm(lambda h: torch.minimum(torch.relu(h), torch.ones_like(h)))) == "clamp(%0,0.0,1.0)"
+
+
+def test_user_idiom_of_two_tensors(scratch_idioms):
+    @fxfuse.idiom("add")
+    def add_by_double_negation(x, y):
+        return x - (-y)
+
+    program = program_of(lambda m, x, y: m.fc(x) - (-m.b), b=torch.nn.Parameter(torch.randn(40)))
+    assert program == "add(%0,$0)"
+
+
+def test_user_idioms_do_not_leak_between_tests():
+    assert all(i.function.__module__ != __name__ for i in idioms.IDIOMS)
