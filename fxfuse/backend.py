@@ -5,7 +5,8 @@ Entry points:
 - ``torch.compile(model, backend="fxfuse")``: Inductor compiles the fused graph. The name is registered
   when fxfuse is imported, and through the ``torch_dynamo_backends`` entry point without importing it.
 - ``torch.compile(model, backend="fxfuse", options={"inner": "eager"})``: choose the inner compiler (a
-  backend name or a callable); the other options and ``mode`` go to it, as torch.compile would pass them.
+  backend name or a callable); the other options and ``mode`` (or ``options["mode"]``, since torch.compile
+  refuses both at once) go to it, as torch.compile would pass them.
 - ``fxfuse.make_backend(inner="inductor", mode=None, **inner_options)``: the same, as a backend callable.
 
 Each graph Dynamo hands over is rewritten in place by ``fuse_graph``, the pass behind ``optimize()``. The
@@ -150,9 +151,11 @@ def make_backend(inner: str | CompilerFn = DEFAULT_INNER, mode: str | None = Non
 def fxfuse_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None,
                    options: dict[str, Any] | None = None):
     """The backend registered as "fxfuse". ``options["inner"]`` picks the inner compiler (default Inductor);
-    the other options and `mode` go to it."""
+    the other options and `mode` go to it. torch.compile takes `mode` or `options`, not both, so
+    ``options["mode"]`` stands for `mode`."""
     inner_options = dict(options or {})
     inner = inner_options.pop("inner", DEFAULT_INNER)
+    mode = inner_options.pop("mode", mode)
     return FxfuseBackend(inner, mode, **inner_options)(gm, example_inputs)
 
 

@@ -1,0 +1,180 @@
+"""torch.compile(model, backend="fxfuse"): registration by name and entry point, fusion of Dynamo's graphs by
+the same pass as optimize(), the choice of inner compiler (eager, aot_eager, Inductor on CPU), and no graph
+break of its own.
+"""
+import importlib.metadata
+import logging
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxfuse
+from fxfuse.backend import FxfuseBackend, fxfuse_backend
+from fxfuse.modelfile import example_files, load_model_file
+from fxfuse.testing import assert_close_report, assert_gradients_match
+
+gemm_epilogue = torch.ops.fxfuse.gemm_epilogue.default
+EXAMPLES = {path.stem: path for path in example_files()}
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class GraphRecorder:
+    """An inner compiler that keeps each graph it is given (after fusion) and runs it as is."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return gm.forward
+
+    def targets(self, index=-1):
+        return [n.target for n in self.graphs[index].graph.nodes if n.op == "call_function"]
+
+
+def test_registered_by_name_on_import():
+    from torch._dynamo.backends.registry import lookup_backend
+
+    assert "fxfuse" in torch._dynamo.list_backends()
+    assert lookup_backend("fxfuse") is fxfuse_backend
+
+
+def test_entry_point_declared():
+    points = importlib.metadata.entry_points(group="torch_dynamo_backends")
+    assert "fxfuse" in points.names
+    assert points["fxfuse"].load() is fxfuse_backend
+
+
+def test_name_works_without_importing_fxfuse_first():
+    # Dynamo finds the entry point, imports fxfuse (which registers itself) and must not fail on the
+    # duplicate name.
+    script = textwrap.dedent("""
+        import sys, torch
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GroupNorm(4, 16), torch.nn.ReLU())
+        x = torch.randn(3, 8)
+        out = torch.compile(model, backend="fxfuse", options={"inner": "eager"})(x)
+        torch.testing.assert_close(out, model(x))
+        assert "fxfuse" in sys.modules
+        print("ok")
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_examples_become_one_fused_op_in_dynamos_graph(name):
+    model, inputs = load_model_file(EXAMPLES[name], small=True).build()
+    recorder = GraphRecorder()
+    compiled = torch.compile(model, backend=fxfuse.make_backend(inner=recorder), fullgraph=True)
+    with torch.no_grad():
+        assert_close_report(compiled(*inputs), model(*inputs))
+    assert len(recorder.graphs) == 1
+    targets = recorder.targets()
+    assert targets.count(gemm_epilogue) == 1
+    assert targets == [gemm_epilogue], f"left beside the fused op: {targets}"
+
+
+def test_options_choose_the_inner_compiler(caplog):
+    model, inputs = load_model_file(EXAMPLES["linear_groupnorm_hardtanh"], small=True).build()
+    recorder = GraphRecorder()
+    compiled = torch.compile(model, backend="fxfuse", options={"inner": recorder})
+    assert_close_report(compiled(*inputs), model(*inputs))
+    assert recorder.targets() == [gemm_epilogue]
+
+    torch._dynamo.reset()
+    with caplog.at_level(logging.INFO, logger="fxfuse"):
+        compiled = torch.compile(model, backend="fxfuse", options={"inner": "eager"})
+        assert_close_report(compiled(*inputs), model(*inputs))
+    assert any("1 fused region" in r.getMessage() for r in caplog.records)
+
+
+def test_inner_options_go_to_the_inner_compiler():
+    with pytest.raises(RuntimeError, match="Unexpected optimization option"):
+        FxfuseBackend("inductor", not_an_inductor_option=1)
+    with pytest.raises(TypeError):
+        FxfuseBackend(GraphRecorder(), max_autotune=True)
+    with pytest.raises(ValueError):
+        FxfuseBackend("fxfuse")
+    seen = {}
+
+    def inner_with_options(gm, example_inputs, **kwargs):
+        seen.update(kwargs)
+        return gm.forward
+
+    from torch._dynamo.backends.registry import register_backend, _COMPILER_FNS
+    if "fxfuse_test_inner" not in _COMPILER_FNS:
+        register_backend(inner_with_options, name="fxfuse_test_inner")
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
+    torch.compile(model, backend="fxfuse",  # torch.compile takes mode or options: options carry the mode
+                  options={"inner": "fxfuse_test_inner", "mode": "max-autotune", "some_flag": True})(torch.randn(2, 8))
+    assert seen == {"mode": "max-autotune", "options": {"some_flag": True}}
+    seen.clear()
+    torch._dynamo.reset()
+    torch.compile(model, backend=fxfuse.make_backend("fxfuse_test_inner", mode="reduce-overhead"))(torch.randn(2, 8))
+    assert seen == {"mode": "reduce-overhead"}
+
+
+def test_backends_with_the_same_settings_are_equal():
+    assert fxfuse.make_backend(inner="eager") == fxfuse.make_backend(inner="eager")
+    assert fxfuse.make_backend(inner="eager") != fxfuse.make_backend(inner="aot_eager")
+
+
+def test_graph_break_outside_the_region_is_dynamos_own():
+    class WithBreak(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 16)
+            self.norm = nn.LayerNorm(16)
+
+        def forward(self, x):
+            h = torch.relu(self.fc1(x))
+            torch._dynamo.graph_break()
+            return self.norm(self.fc2(h))
+
+    model = WithBreak()
+    recorder = GraphRecorder()
+    compiled = torch.compile(model, backend=fxfuse.make_backend(inner=recorder))
+    x = torch.randn(4, 8)
+    assert_close_report(compiled(x), model(x))
+    assert len(recorder.graphs) == 2  # the user's break only
+    assert all(recorder.targets(i) == [gemm_epilogue] for i in range(2))
+
+
+def test_compiling_an_optimized_model_keeps_its_fused_op():
+    model, inputs = load_model_file(EXAMPLES["linear_hardtanh_mish_groupnorm"], small=True).build()
+    optimized = fxfuse.optimize(model, inputs)
+    recorder = GraphRecorder()
+    compiled = torch.compile(optimized, backend=fxfuse.make_backend(inner=recorder), fullgraph=True)
+    assert_close_report(compiled(*inputs), model(*inputs))
+    assert recorder.targets() == [gemm_epilogue]
+
+
+def test_inductor_on_cpu_trains_through_the_fused_op():
+    """Default inner compiler: Inductor takes the fused op as an extern kernel, forward and backward."""
+    model, inputs = load_model_file(EXAMPLES["linear_groupnorm_min_bias"], small=True).build()
+    backend = fxfuse.make_backend()
+    compiled = torch.compile(model, backend=backend)
+    # Inductor reorders the backward's reductions (the weight gradient sums 64 rows of magnitude ~50): plain
+    # Inductor is off eager by the same ~3e-5 here.
+    assert_gradients_match(model, compiled, inputs, rtol=1e-4, atol=1e-4)
+    assert [len(r.fused) for r in backend.reports] == [1]
+    with torch.no_grad():
+        assert_close_report(compiled(*inputs), model(*inputs))
+
+
+def test_backend_by_name_defaults_to_inductor():
+    model = nn.Sequential(nn.Linear(8, 16), nn.GroupNorm(4, 16), nn.Hardtanh(-2.0, 2.0))
+    x = torch.randn(5, 8)
+    compiled = torch.compile(model, backend="fxfuse")
+    with torch.no_grad():
+        assert_close_report(compiled(x), model(x))
