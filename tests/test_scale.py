@@ -1,0 +1,81 @@
+"""The pass scales: optimize() on a traced model of over 10,000 nodes (500 stacked Linear blocks).
+
+Issue 2 asks for under 5 s on one CPU core; the test asserts a generous 20 s so that a loaded CI machine
+doesn't make it flaky, and prints the time.
+"""
+import time
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxfuse
+from fxfuse.testing import assert_close_report, fused_op_count
+
+BLOCKS = 500
+WIDTH = 8
+BOUND_SECONDS = 20.0
+
+
+class Block(nn.Module):
+    """Linear -> bias -> GELU -> LayerNorm -> scale -> clamp -> x*sigmoid(x) -> - row max -> + residual.
+
+    All of it after the Linear is one fused region, which reads the block's input as an outside operand.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(WIDTH, WIDTH)
+        self.bias = nn.Parameter(torch.randn(WIDTH) * 0.1)
+        self.scale = nn.Parameter(torch.ones(WIDTH))
+        self.norm = nn.LayerNorm(WIDTH)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        h = self.fc(x) + self.bias
+        h = F.gelu(h)
+        h = self.norm(h)
+        h = self.drop(h) * self.scale
+        h = torch.clamp(h, -3.0, 3.0)
+        h = h * torch.sigmoid(h)
+        h = F.leaky_relu(h, 0.1)
+        h = h - h.amax(-1, keepdim=True)
+        h = torch.tanh(h) * 0.5 + 0.5
+        h = h.abs() + h.relu() * 2.0
+        return h + x
+
+
+def test_optimize_of_10000_nodes_is_fast():
+    model = nn.Sequential(*[Block() for _ in range(BLOCKS)]).eval()
+    traced = fx.symbolic_trace(model)
+    nodes = len(traced.graph.nodes)
+    assert nodes >= 10_000, f"the model has only {nodes} nodes"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        start = time.perf_counter()
+        optimized = fxfuse.optimize(traced)
+        seconds = time.perf_counter() - start
+    finally:
+        torch.set_num_threads(threads)
+    print(f"\noptimize() of {nodes} nodes ({BLOCKS} blocks): {seconds:.2f} s")
+    assert fused_op_count(optimized) == BLOCKS
+    assert seconds < BOUND_SECONDS, f"optimize() took {seconds:.1f} s on {nodes} nodes"
+    x = torch.randn(2, WIDTH)
+    with torch.no_grad():
+        assert_close_report(optimized(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+def test_matching_time_grows_about_linearly():
+    """Twice the blocks should take about twice the time, far from the 4x of a quadratic pass."""
+    def time_of(blocks):
+        traced = fx.symbolic_trace(nn.Sequential(*[Block() for _ in range(blocks)]).eval())
+        start = time.perf_counter()
+        fxfuse.optimize(traced)
+        return time.perf_counter() - start
+
+    time_of(10)  # warm caches (idiom patterns, program parsing)
+    small, large = min(time_of(50) for _ in range(2)), min(time_of(200) for _ in range(2))
+    print(f"\n50 blocks: {small:.2f} s, 200 blocks: {large:.2f} s ({large / small:.1f}x)")
+    assert large / small < 10, f"4x the blocks took {large / small:.1f}x the time"
