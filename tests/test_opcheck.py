@@ -76,6 +76,9 @@ def test_opcheck(op_name, name, requires_grad):
     torch.library.opcheck(OPS[op_name](), args)
 
 
+FULL_GRADCHECK = {"relu", "workload-2-broadcast"}  # the whole Jacobian, column by column
+
+
 @pytest.mark.parametrize("name", list(programs()))
 def test_gradcheck_in_float64(name):
     x, weight, bias, params, program = make_args(name, dtype=torch.float64, requires_grad=True)
@@ -89,7 +92,8 @@ def test_gradcheck_in_float64(name):
         rest = list(ts[3:] if bias is not None else ts[2:])
         return torch.ops.fxfuse.gemm_epilogue(x_, w_, b_, rest, program)
 
-    assert torch.autograd.gradcheck(fused, tensors, eps=1e-6, atol=1e-5)
+    # fast_mode checks a random projection of the Jacobian: the same bugs, a fraction of the time.
+    assert torch.autograd.gradcheck(fused, tensors, eps=1e-6, atol=1e-5, fast_mode=name not in FULL_GRADCHECK)
 
 
 @pytest.mark.parametrize("name", list(programs()))
