@@ -253,7 +253,9 @@ class _Growth:
         if reduces and rank is not None and not c.attrs["keepdim"]:
             rank -= 1
         self.add_member(node, c)
-        self.emit(node, c.op, operands, attrs, rank, reduced=reduces or any(v.index in self.reduced for v in values))
+        # A pointwise op is one number per row only if all its region operands are: `h * h.sum(-1, keepdim=True)`
+        # broadcasts the reduced value back onto full rows.
+        self.emit(node, c.op, operands, attrs, rank, reduced=reduces or all(v.index in self.reduced for v in values))
         return None
 
     def result_rank(self, operands) -> int | None:
@@ -292,6 +294,8 @@ class _Growth:
             dim = c.attrs[spec.feature_dim_attr]
             if dim != -1 and rank is not None and dim != rank - 1:
                 return f"{c.op} over dim {dim} of a {rank}-D value, not the features (dim {rank - 1})"
+            if dim == 0 or dim < -1:  # a GEMM output has 2 or more dims; its features are the last one
+                return f"{c.op} over dim {dim}, which is never the features of a GEMM output (the last dim)"
         return None
 
     # -- validity of the current prefix

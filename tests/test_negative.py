@@ -159,6 +159,15 @@ def test_norm_or_reduction_that_is_not_over_the_features(name):
     assert_not_fused(GemmThen(epilogue), (x,), reason=reason)
 
 
+@pytest.mark.parametrize("epilogue", [lambda m, x, y: m.fc(x).sum(0), lambda m, x, y: F.softmax(m.fc(x), 0),
+                                      lambda m, x, y: torch.amax(m.fc(x), -2)], ids=["sum", "softmax", "amax"])
+def test_reduction_over_a_leading_dim_without_example_inputs(epilogue):
+    """Without shapes the rank is unknown, but dim 0 (or -2) is never the last dim of a GEMM output."""
+    optimized = fxfuse.optimize(GemmThen(epilogue))
+    assert fused_op_count(optimized) == 0
+    assert_reason(optimized, "which is never the features of a GEMM output")
+
+
 def test_norm_of_a_reduced_value_fuses_only_the_reduction():
     model = GemmThen(lambda m, x, y: F.layer_norm(m.fc(x).sum(-1, keepdim=True), (1,)))
     optimized = assert_fuses(model, (rows(),), regions=1)

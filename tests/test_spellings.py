@@ -345,6 +345,11 @@ REDUCTIONS = [
     case("min-keepdim*full-param", "mul", lambda m, x, y: torch.min(m.fc(x), 1, True)[0] * m.b,
          b=vector(OUT)),
     case("softmax-then-log", "log", linear_then(lambda h: torch.log(F.softmax(h, -1)))),
+    case("norm-of-a-row-scaled-by-its-sum", "layer_norm",
+         linear_then(lambda h: F.layer_norm(h * h.sum(-1, keepdim=True), (OUT,)))),
+    case("spelled-out-softmax-then-rms_norm", "rms_norm",
+         linear_then(lambda h: (lambda e: F.rms_norm(e / e.sum(-1, keepdim=True), (OUT,)))(
+             torch.exp(h - h.amax(-1, keepdim=True))))),
 ]
 
 
