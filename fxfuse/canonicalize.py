@@ -102,7 +102,7 @@ def _unary(op: str, fns=(), inplace_fns=(), methods=(), signature="(input, inpla
 _unary("relu", (F.relu, torch.relu), (F.relu_, torch.relu_), ("relu",))
 _unary("silu", (F.silu,))
 _unary("mish", (F.mish,))
-_unary("sigmoid", (torch.sigmoid, F.sigmoid), _optional("sigmoid_"), ("sigmoid",))
+_unary("sigmoid", (torch.sigmoid, F.sigmoid, torch.special.expit), _optional("sigmoid_"), ("sigmoid",))
 _unary("tanh", (torch.tanh, F.tanh), _optional("tanh_"), ("tanh",))
 _unary("hardswish", (F.hardswish,))
 _unary("hardsigmoid", (F.hardsigmoid,))
@@ -207,6 +207,12 @@ def _hardtanh(a, inplace):
 @spelling("(input, inplace=False)", functions=(F.relu6,))
 def _relu6(a, inplace):
     return _clamp(a, inplace, 0.0, 6.0)
+
+
+@spelling("(input)", functions=(torch.square,), methods=("square",), inplace_functions=_optional("square_"),
+          inplace_methods=("square_",))
+def _square(a, inplace):
+    return Canonical("pow", (a["input"],), {"exponent": 2.0}, inplace_of=_inplace(a, inplace))
 
 
 @spelling("(input, exponent)", functions=(torch.pow, operator.pow), methods=("pow",),
@@ -318,7 +324,7 @@ def _instance_norm(a, inplace):
 
 def _softmax_like(op):
     @spelling("(input, dim=None, _stacklevel=3, dtype=None)",
-              functions=(getattr(F, op), getattr(torch, op)), methods=(op,))
+              functions=(getattr(F, op), getattr(torch, op), getattr(torch.special, op)), methods=(op,))
     def handler(a, inplace):
         if a["dim"] is None:
             raise NotFusible(f"{op} without an explicit dim")
@@ -357,7 +363,7 @@ _reduction("sum", (torch.sum,), ("sum",))
 _reduction("mean", (torch.mean,), ("mean",))
 _reduction("amax", (torch.amax,), ("amax",), "(input, dim=(), keepdim=False)")
 _reduction("amin", (torch.amin,), ("amin",), "(input, dim=(), keepdim=False)")
-_reduction("logsumexp", (torch.logsumexp,), ("logsumexp",), "(input, dim, keepdim=False)")
+_reduction("logsumexp", (torch.logsumexp, torch.special.logsumexp), ("logsumexp",), "(input, dim, keepdim=False)")
 
 # torch.max(x, dim) / torch.min(x, dim) return (values, indices): the reduction is the `[0]` / `.values` node.
 _VALUES_OF = {"max": "amax", "min": "amin"}
@@ -387,11 +393,15 @@ def _values_of(node: fx.Node) -> Canonical | None:
     # A problem is told at this node: it covers `source`, so matching reaches it through `source`.
     if not isinstance(a["dim"], int):
         return Canonical(_VALUES_OF[name], (a["input"],), {}, problem=f"{name} without an int dim", covers=(source,))
-    if len(source.users) != 1:
+    # `values, _ = torch.max(h, 1)` also makes an indices node that nothing reads: the reduction stands for it.
+    others = [user for user in source.users if user is not node]
+    unread = [user for user in others if user.op == "call_function" and not user.users
+              and user.target in (operator.getitem, builtins.getattr)]
+    if len(unread) != len(others):
         return Canonical(_VALUES_OF[name], (a["input"],), {},
                          problem=f"the indices of `{source.name}` are used too", covers=(source,))
     return Canonical(_VALUES_OF[name], (a["input"],), {"dim": a["dim"], "keepdim": bool(a["keepdim"])},
-                     covers=(source,))
+                     covers=(source, *unread))
 
 
 def _reduction_name(node: fx.Node) -> str | None:

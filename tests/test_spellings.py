@@ -143,6 +143,7 @@ POINTWISE = [
     case("Tensor.sigmoid", "sigmoid", lambda m, x, y: m.fc(x).sigmoid()),
     case("Tensor.sigmoid_", "sigmoid", lambda m, x, y: m.fc(x).sigmoid_()),
     case("torch.sigmoid_", "sigmoid", lambda m, x, y: torch.sigmoid_(m.fc(x))),
+    case("torch.special.expit", "sigmoid", lambda m, x, y: torch.special.expit(m.fc(x))),
     case("nn.Tanh", "tanh", lambda m, x, y: m.act(m.fc(x)), act=nn.Tanh()),
     case("torch.tanh", "tanh", lambda m, x, y: torch.tanh(m.fc(x))),
     case("F.tanh", "tanh", lambda m, x, y: F.tanh(m.fc(x))),
@@ -183,6 +184,9 @@ POINTWISE = [
     case("Tensor.pow", "pow", lambda m, x, y: m.fc(x).pow(2)),
     case("Tensor.pow_", "pow", lambda m, x, y: m.fc(x).pow_(2)),
     case("x**=2", "pow", inplace_pow),
+    case("torch.square", "pow(%0,2.0)", lambda m, x, y: torch.square(m.fc(x))),
+    case("Tensor.square", "pow(%0,2.0)", lambda m, x, y: m.fc(x).square()),
+    case("Tensor.square_", "pow(%0,2.0)", lambda m, x, y: m.fc(x).square_()),
     # add, sub, mul, div: scalars, per-feature vectors, parameters and buffers that broadcast
     case("x+param", "add", lambda m, x, y: m.fc(x) + m.b, b=vector()),
     case("param+x", "add", lambda m, x, y: m.b + m.fc(x), b=vector()),
@@ -308,6 +312,16 @@ def test_instance_norm_of_each_row_of_a_3d_output_fuses():
     assert "layer_norm(%0,None,None,0.0001)" in fused_programs(optimized)[0]
 
 
+def max_values_unpacked(h):
+    values, _ = torch.max(h, 1)
+    return values
+
+
+def min_values_unpacked(h):
+    values, _ = h.min(-1, keepdim=True)
+    return values + 1.0
+
+
 REDUCTIONS = [
     case("torch.sum", "sum(%0,1,False)", linear_then(lambda h: torch.sum(h, 1))),
     case("Tensor.sum-keepdim-kw", "sum(%0,-1,True)", linear_then(lambda h: h.sum(dim=-1, keepdim=True))),
@@ -326,6 +340,12 @@ REDUCTIONS = [
          linear_then(lambda h: h.min(dim=1, keepdim=True).values)),
     case("torch.min(x,dim=-1)[0]", "amin(%0,-1,False)", linear_then(lambda h: torch.min(h, dim=-1)[0])),
     case("torch.logsumexp", "logsumexp(%0,1,False)", linear_then(lambda h: torch.logsumexp(h, 1))),
+    case("torch.special.logsumexp", "logsumexp(%0,-1,True)",
+         linear_then(lambda h: torch.special.logsumexp(h, -1, keepdim=True))),
+    case("torch.special.softmax", "softmax(%0,-1)", linear_then(lambda h: torch.special.softmax(h, -1))),
+    case("torch.special.log_softmax", "log_softmax(%0,1)", linear_then(lambda h: torch.special.log_softmax(h, 1))),
+    case("values,_=torch.max(x,1)", "amax(%0,1,False)", lambda m, x, y: max_values_unpacked(m.fc(x))),
+    case("values,_=x.min(-1,keepdim=True)", "amin(%0,-1,True)", lambda m, x, y: min_values_unpacked(m.fc(x))),
     case("Tensor.logsumexp-keepdim", "logsumexp(%0,-1,True)", linear_then(lambda h: h.logsumexp(-1, keepdim=True))),
     case("F.softmax", "softmax(%0,1)", linear_then(lambda h: F.softmax(h, dim=1))),
     case("torch.softmax", "softmax(%0,-1)", linear_then(lambda h: torch.softmax(h, -1))),
