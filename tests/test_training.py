@@ -228,3 +228,36 @@ def test_eval_mode_fusion_refuses_to_run_in_train_mode():
     optimized.train()
     with pytest.raises(RuntimeError, match="was in eval mode when it was fused"):
         optimized(x)
+
+
+def test_backward_op_passes_opcheck_and_matches_autograd():
+    program, shapes = GRADCHECK_PROGRAMS["residual_and_outside_input"]
+    x, weight, bias, params = _op_inputs(shapes)
+    detached = [t.detach() for t in (x, weight, bias, *params)]
+    grad_output = torch.randn(M, N, dtype=torch.float64)
+    needs = [True, True, False, True, True]
+    args = (grad_output, *detached[:3], detached[3:], program, needs)
+    torch.library.opcheck(torch.ops.fxfuse.gemm_epilogue_backward.default, args)
+    grads = torch.ops.fxfuse.gemm_epilogue_backward(*args)
+    expected = torch.autograd.grad(gemm_epilogue(x, weight, bias, params, program), [x, weight, *params], grad_output)
+    assert len(grads) == 4
+    for actual, wanted in zip(grads, expected):
+        assert_close_report(actual, wanted, rtol=1e-10, atol=1e-10)
+
+
+def test_backward_runs_under_a_dispatch_mode():
+    """The backward op re-enables autograd inside its kernel, so a TorchDispatchMode above it is no problem."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = nn.Sequential(nn.Linear(16, 32), nn.GroupNorm(4, 32), nn.ReLU())
+    optimized = fxfuse.optimize(model, (torch.randn(4, 16),))
+    x = torch.randn(4, 16)
+    cotangent = torch.randn(4, 32)
+    grads = []
+    for net in (model, optimized):
+        model.zero_grad()
+        with FlopCounterMode(display=False):
+            (net(x) * cotangent).sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for (name, _), expected, actual in zip(model.named_parameters(), *grads):
+        assert_close_report(actual, expected, what=f"gradient of {name}")
