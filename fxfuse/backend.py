@@ -16,7 +16,10 @@ recompile of its own.
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -44,6 +47,35 @@ def _load_kernels_for(example_inputs: Sequence[Any]) -> None:
     load()
 
 
+@functools.lru_cache(maxsize=1)
+def implementation_hash() -> str:
+    """A hash of the sources that define the fused op's semantics, autograd and fake implementation."""
+    package = Path(__file__).resolve().parent
+    digest = hashlib.sha256()
+    for name in ("library.py", "program.py", "epilogue.py"):
+        digest.update((package / name).read_bytes())
+    return digest.hexdigest()
+
+
+def _implementation_stamp():
+    """A no-op Inductor pass whose uuid is ``implementation_hash()``.
+
+    Inductor's and AOTAutograd's on-disk caches key on the graph and on each custom pass's uuid, not on the
+    Python behind a custom op. With this pass installed, a changed fxfuse op gets fresh compiled code
+    instead of a stale cached backward.
+    """
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class FxfuseImplementationStamp(CustomGraphPass):
+        def __call__(self, graph):
+            return None
+
+        def uuid(self):
+            return implementation_hash()
+
+    return FxfuseImplementationStamp()
+
+
 def _inner_compiler(inner: str | CompilerFn, mode: str | None, inner_options: dict[str, Any]) -> CompilerFn:
     """The compiler that takes the fused graph, chosen by name or given as a callable."""
     if callable(inner):
@@ -54,6 +86,7 @@ def _inner_compiler(inner: str | CompilerFn, mode: str | None, inner_options: di
         raise ValueError("fxfuse: the inner compiler can't be fxfuse itself")
     if inner == "inductor":
         # torch.compile's own Inductor wrapper: it applies `mode` and checks each option against the config.
+        inner_options.setdefault("post_grad_custom_post_pass", _implementation_stamp())
         return torch._TorchCompileInductorWrapper(mode, inner_options, None)
     from torch._dynamo.backends.registry import lookup_backend
 

@@ -161,9 +161,15 @@ def test_compiling_an_optimized_model_keeps_its_fused_op():
 
 def test_inductor_on_cpu_trains_through_the_fused_op():
     """Default inner compiler: Inductor takes the fused op as an extern kernel, forward and backward."""
+    from torch._inductor.utils import run_and_get_code
+
     model, inputs = load_model_file(EXAMPLES["linear_groupnorm_min_bias"], small=True).build()
     backend = fxfuse.make_backend()
     compiled = torch.compile(model, backend=backend)
+    x = inputs[0].clone().requires_grad_()
+    _, (forward_code, backward_code) = run_and_get_code(lambda: compiled(x).sum().backward())
+    assert "torch.ops.fxfuse.gemm_epilogue.default(" in forward_code
+    assert "torch.ops.fxfuse.gemm_epilogue_backward.default(" in backward_code
     # Inductor reorders the backward's reductions (the weight gradient sums 64 rows of magnitude ~50): plain
     # Inductor is off eager by the same ~3e-5 here.
     assert_gradients_match(model, compiled, inputs, rtol=1e-4, atol=1e-4)
