@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import types
 import logging
 from typing import Any, Sequence
 
@@ -23,22 +24,76 @@ from .rewrite import fuse_graph
 logger = logging.getLogger("fxfuse")
 
 
+class FusedGraphModule(fx.GraphModule):
+    """What optimize() makes of a traceable model: a GraphModule whose state is exactly the model's.
+
+    A GraphModule rebuilds itself from what its graph reads when it is deep-copied or unpickled, and registers
+    every tensor it reads as a persistent buffer (fx's tensor constants included); these overrides give the
+    rebuilt module the model's state again, so that its state_dict keys stay those of the model."""
+
+    def __deepcopy__(self, memo):
+        copied = super().__deepcopy__(memo)
+        _adopt_state(copied, _state_of(copy.deepcopy(self.__dict__, memo)))
+        return copied
+
+    def __reduce__(self):
+        rebuild, args = super().__reduce__()
+        return _unpickle_fused, (rebuild, args)
+
+
+def _state_of(attributes: dict):
+    names = ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set", "training")
+    return types.SimpleNamespace(**{name: attributes[name] for name in names})
+
+
+def _unpickle_fused(rebuild, args) -> FusedGraphModule:
+    plain = rebuild(*args)
+    attributes = args[0]
+    fused = FusedGraphModule(plain, plain.graph, class_name=type(plain).__name__)
+    _adopt_state(fused, _state_of(attributes))
+    for name in ("meta", *(k for k in attributes if k not in fused.__dict__)):
+        fused.__dict__[name] = attributes[name]
+    return fused
+
+
 def _trace(model: nn.Module) -> fx.GraphModule:
     if isinstance(model, fx.GraphModule):
-        gm = fx.GraphModule(model, copy.deepcopy(model.graph))
+        gm = FusedGraphModule(model, copy.deepcopy(model.graph), class_name=type(model).__name__)
     else:
-        gm = fx.symbolic_trace(model)
-    # Keep every child, parameter and buffer, used by the graph or not, under its own name.
-    for name, child in model.named_children():
-        if not hasattr(gm, name):
-            gm.add_module(name, child)
-    for name, param in model.named_parameters(recurse=False):
-        if name not in gm._parameters:
-            gm.register_parameter(name, param)
-    for name, buffer in model.named_buffers(recurse=False):
-        if name not in gm._buffers:
-            gm.register_buffer(name, buffer, persistent=name not in model._non_persistent_buffers_set)
+        tracer = fx.Tracer()
+        graph = tracer.trace(model)
+        gm = FusedGraphModule(tracer.root, graph, class_name=type(model).__name__)
+    _adopt_state(gm, model)
     return gm
+
+
+_MISSING = object()
+
+
+def _attribute(root: nn.Module, path: str):
+    value: Any = root
+    for part in path.split("."):
+        value = getattr(value, part, _MISSING)
+        if value is _MISSING:
+            break
+    return value
+
+
+def _adopt_state(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Give `gm` the model's own children, parameters and buffers: the same objects, in the same order, with the
+    same persistence, used by the graph or not. GraphModule copies only what the graph reads (so nested unused
+    parameters went missing) and registers every tensor it copies as a persistent buffer, so the state_dict
+    would differ from the model's."""
+    read = {node.target: _attribute(gm, node.target) for node in gm.graph.nodes if node.op == "get_attr"}
+    gm._modules = dict(model._modules)
+    gm._parameters = dict(model._parameters)
+    gm._buffers = dict(model._buffers)
+    gm._non_persistent_buffers_set = set(model._non_persistent_buffers_set)
+    gm.training = model.training
+    for path, value in read.items():
+        # Tensors the tracer made constants of, or plain tensor attributes of the model: not state.
+        if _attribute(gm, path) is _MISSING and "." not in path:
+            object.__setattr__(gm, path, value)
 
 
 @contextlib.contextmanager

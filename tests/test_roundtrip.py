@@ -171,3 +171,48 @@ def test_optimize_does_not_change_the_original_model():
     fxfuse.optimize(model, (torch.randn(3, 24),))
     assert [type(m) for m in model.modules()] == before
     assert fused_op_count(model) == 0
+
+
+# ---------------------------------------------------------------- state the graph does not read
+
+
+class Inner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(24, 40)
+        self.unused = nn.Linear(2, 2)                      # never called
+        self.unused_scale = nn.Parameter(torch.ones(40))   # never read
+        self.register_buffer("mask", torch.rand(40), persistent=False)
+        self.register_buffer("shift", torch.randn(40))
+        self.plain = torch.full((40,), 2.0)                # a tensor attribute, not state
+
+    def forward(self, x):
+        return torch.relu(self.fc(x)) * self.mask + self.shift * self.plain + torch.tensor(0.5)
+
+
+class Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = Inner()
+        self.alpha = nn.Parameter(torch.zeros(3))
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("with_example_inputs", [True, False], ids=["example-inputs", "no-inputs"])
+def test_state_the_graph_does_not_read_is_kept_as_it_was(with_example_inputs):
+    model = Outer().eval()
+    x = torch.randn(3, 24)
+    optimized = fxfuse.optimize(model, (x,) if with_example_inputs else None)
+    assert fused_op_count(optimized) == 1
+    original, fused = model.state_dict(keep_vars=True), optimized.state_dict(keep_vars=True)
+    assert list(fused) == list(original), "nested unused state kept; the non-persistent buffer stays out"
+    assert all(fused[key] is tensor for key, tensor in original.items())
+    assert optimized.inner is model.inner and optimized.training is False
+    with torch.no_grad():
+        assert_close_report(optimized(x), model(x))
+    restored = roundtrip_torch_save(optimized)
+    assert list(restored.state_dict()) == list(original)
+    with torch.no_grad():
+        assert_close_report(restored(x), model(x))
