@@ -376,7 +376,7 @@ def find_region(gm: fx.GraphModule, anchor: fx.Node, canon, facts: Facts):
         misses.insert(0, NearMiss(anchor, growth.members[n_members], first_cut_reason))
     region = Region(anchor, growth.members[:n_members], output, growth.x, growth.weight, growth.transpose_weight,
                     growth.bias, growth.params[:n_params], Program(tuple(growth.instructions[:n_instructions])))
-    problem = prove_legal(gm, region, facts)
+    problem = prove_legal(gm, region, facts) or _mutation_problem(region, canon, facts)
     if problem:
         return None, [NearMiss(anchor, anchor, problem)]
     return region, _keep_relevant(misses, growth, region)
@@ -424,6 +424,39 @@ def restore(growth: _Growth, snapshot):
 
 
 # ---------------------------------------------------------------- legality proof
+
+
+def _mutated_by(node: fx.Node, canon) -> Any:
+    """The tensor that `node` changes in place, if it is an in-place op; else None."""
+    c = canon.get(node)
+    if c is not None and c.inplace_of is not None:
+        return c.inplace_of
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    if node.op in ("call_method", "call_function") and isinstance(name, str) and name.endswith("_") \
+            and not name.startswith("_") and node.args:
+        return node.args[0]
+    return None
+
+
+def _mutation_problem(region: Region, canon, facts: Facts) -> str | None:
+    """The fused op runs where the region's last op was: an in-place op between the region's ops must not
+    change a tensor the region reads, or the fused op would read it changed where eager read it unchanged."""
+    members = set(region.members)
+    read_nodes = {o for o in (region.x, region.weight, region.bias, *region.params) if isinstance(o, fx.Node)}
+    read_paths = {o.path for o in (region.weight, region.bias, *region.params) if isinstance(o, Attr)}
+    last = max(region.members, key=facts.position.get)
+    node = min(members, key=facts.position.get)
+    while node is not last:
+        node = node.next
+        if node in members:
+            continue
+        mutated = _mutated_by(node, canon)
+        if mutated is None:
+            continue
+        if mutated in read_nodes or (isinstance(mutated, fx.Node) and mutated.op == "get_attr"
+                                     and mutated.target in read_paths):
+            return f"in-place {describe(node)} changes {describe(mutated)} between the region's ops, which read it"
+    return None
 
 def prove_legal(gm: fx.GraphModule, region: Region, facts: Facts) -> str | None:
     """Convexity (no path leaves the region and re-enters it) and a single output, checked with networkx."""

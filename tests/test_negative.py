@@ -231,6 +231,32 @@ def test_in_place_op_on_a_tensor_outside_the_region_is_not_fused():
     assert_close_report(y, expected_y, what="the mutated input")
 
 
+def mutate_operand_between_region_ops(m, x, y):
+    scaled = m.fc(x) * y
+    y.mul_(2.0)
+    return scaled + y
+
+
+def fill_operand_between_region_ops(m, x, y):
+    scaled = m.fc(x) * y
+    y.fill_(3.0)  # an in-place op outside the vocabulary
+    return torch.relu(scaled)
+
+
+@pytest.mark.parametrize("epilogue", [mutate_operand_between_region_ops, fill_operand_between_region_ops])
+def test_in_place_change_of_an_operand_between_region_ops_is_not_fused(epilogue):
+    """Fusing would move the read of `y` after its change: eager read it unchanged."""
+    model = GemmThen(epilogue)
+    x, y = rows(), torch.randn(BATCH, OUT)
+    with torch.no_grad():
+        expected = model(x, y.clone())
+        optimized = fxfuse.optimize(model, (x, y.clone()))
+        actual = optimized(x, y.clone())
+    assert fused_op_count(optimized) == 0
+    assert_reason(optimized, "changes `y` between the region's ops, which read it")
+    assert_close_report(actual, expected)
+
+
 def test_in_place_op_on_the_region_value_is_fused():
     model = GemmThen(lambda m, x, y: m.fc(x).mul_(2.0).relu_())
     assert_whole_chain_fused(model, (rows(),))
