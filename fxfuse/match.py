@@ -90,11 +90,21 @@ class Facts:
             return False
         if isinstance(obj, fx.Node) and obj.op == "get_attr":
             return False
+        if isinstance(obj, fx.Node) and obj.op == "placeholder" and _declared_not_tensor(obj):
+            return False
         return None
 
     def rank(self, obj) -> int | None:
         t = self.tensor(obj)
         return None if t is None else t.dim()
+
+
+def _declared_not_tensor(placeholder: fx.Node) -> bool:
+    """A forward argument whose annotation (`scale: float`) or default (`scale=2.0`) says it is no tensor."""
+    if placeholder.args and placeholder.args[0] is not None and not isinstance(placeholder.args[0], torch.Tensor):
+        return True
+    annotation = placeholder.type
+    return isinstance(annotation, type) and not issubclass(annotation, torch.Tensor)
 
 
 def _get_attr(gm: fx.GraphModule, path: str):

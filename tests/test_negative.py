@@ -312,3 +312,32 @@ def test_shape_of_a_region_value_read_twice_keeps_that_value_alive():
     """`n = h.shape[-1:]` used by the norm and elsewhere can't be folded into the norm: `h` is used outside."""
     model = GemmThen(lambda m, x, y: (lambda h, n: F.layer_norm(h, n) * n[0])(*(lambda h: (h, h.shape[-1:]))(m.fc(x))))
     assert_not_fused(model, (rows(),), reason="intermediate `fc` is also used by `getattr_1`")
+
+
+class ScaleWithDefault(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(IN, OUT)
+
+    def forward(self, x, *, scale=2.0):
+        return torch.relu(self.fc(x)) * scale
+
+
+class ScaleAnnotated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(IN, OUT)
+
+    def forward(self, x: torch.Tensor, scale: float):
+        return torch.relu(self.fc(x)) * scale
+
+
+@pytest.mark.parametrize("model, inputs", [(ScaleWithDefault(), (rows(),)), (ScaleAnnotated(), (rows(), 0.5))],
+                         ids=["default", "annotation"])
+def test_number_argument_of_forward_is_no_tensor_operand_without_example_inputs(model, inputs):
+    """Without shapes a forward argument is taken for a tensor, unless its default or annotation says not."""
+    optimized = fxfuse.optimize(model)
+    assert fused_programs(optimized) == ["relu(%0)"]
+    assert_reason(optimized, "operand `scale` is not a tensor")
+    with torch.no_grad():
+        assert_close_report(optimized(*inputs), model(*inputs))
