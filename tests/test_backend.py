@@ -178,9 +178,13 @@ def test_inductor_on_cpu_trains_through_the_fused_op():
         assert_close_report(compiled(*inputs), model(*inputs))
 
 
-def test_backend_by_name_defaults_to_inductor():
+def test_backend_by_name_defaults_to_inductor_with_dynamic_shapes(caplog):
+    """Inductor also compiles the in-graph check of a pinned dynamic float (GroupNorm's eps)."""
     model = nn.Sequential(nn.Linear(8, 16), nn.GroupNorm(4, 16), nn.Hardtanh(-2.0, 2.0))
-    x = torch.randn(5, 8)
-    compiled = torch.compile(model, backend="fxfuse")
-    with torch.no_grad():
-        assert_close_report(compiled(x), model(x))
+    compiled = torch.compile(model, backend="fxfuse", dynamic=True)
+    with torch.no_grad(), caplog.at_level(logging.INFO, logger="fxfuse"):
+        for batch in (5, 9):
+            x = torch.randn(batch, 8)
+            assert_close_report(compiled(x), model(x))
+    reports = [r.getMessage() for r in caplog.records if r.getMessage().startswith("fxfuse backend:")]
+    assert len(reports) == 1 and "1 fused region" in reports[0], reports
