@@ -194,7 +194,11 @@ def fxfuse_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: s
 
 def register() -> None:
     """Register "fxfuse" with Dynamo, unless it is registered or Dynamo is loading it from the entry point."""
-    from torch._dynamo.backends import registry
+    try:
+        from torch._dynamo.backends import registry
+    except Exception as error:  # a torch build without a working Dynamo: optimize() still works
+        logger.info("fxfuse: torch.compile backend not registered (%s: %s)", type(error).__name__, error)
+        return
 
     compilers = getattr(registry, "_COMPILER_FNS", {})
     pending_entry_point = getattr(registry, "_BACKENDS", {}).get(BACKEND_NAME)
