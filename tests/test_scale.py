@@ -5,6 +5,7 @@ doesn't make it flaky, and prints the time.
 """
 import time
 
+import pytest
 import torch
 import torch.fx as fx
 import torch.nn as nn
@@ -46,19 +47,22 @@ class Block(nn.Module):
         return h + x
 
 
-def test_optimize_of_10000_nodes_is_fast():
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_optimize_of_10000_nodes_is_fast(one_thread):
     model = nn.Sequential(*[Block() for _ in range(BLOCKS)]).eval()
     traced = fx.symbolic_trace(model)
     nodes = len(traced.graph.nodes)
     assert nodes >= 10_000, f"the model has only {nodes} nodes"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        start = time.perf_counter()
-        optimized = fxfuse.optimize(traced)
-        seconds = time.perf_counter() - start
-    finally:
-        torch.set_num_threads(threads)
+    start = time.perf_counter()
+    optimized = fxfuse.optimize(traced)
+    seconds = time.perf_counter() - start
     print(f"\noptimize() of {nodes} nodes ({BLOCKS} blocks): {seconds:.2f} s")
     assert fused_op_count(optimized) == BLOCKS
     assert seconds < BOUND_SECONDS, f"optimize() took {seconds:.1f} s on {nodes} nodes"
@@ -67,7 +71,7 @@ def test_optimize_of_10000_nodes_is_fast():
         assert_close_report(optimized(x), model(x), rtol=1e-4, atol=1e-5)
 
 
-def test_matching_time_grows_about_linearly():
+def test_matching_time_grows_about_linearly(one_thread):
     """Twice the blocks should take about twice the time, far from the 4x of a quadratic pass."""
     def time_of(blocks):
         traced = fx.symbolic_trace(nn.Sequential(*[Block() for _ in range(blocks)]).eval())
