@@ -61,11 +61,12 @@ def test_odd_shapes_match_eager(chain, shape):
     assert_whole_chain_fused(model, (torch.randn(*leading, in_features),))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
 @pytest.mark.parametrize("chain", list(chains(40)))
-def test_bfloat16_matches_eager_within_its_tolerance(chain):
+def test_16_bit_matches_eager_within_its_tolerance(chain, dtype):
     epilogue, extras = chains(40)[chain]
-    model = GemmThen(epilogue, in_features=24, out_features=40, **extras).to(torch.bfloat16)
-    assert_whole_chain_fused(model, (torch.randn(3, 24, dtype=torch.bfloat16),))
+    model = GemmThen(epilogue, in_features=24, out_features=40, **extras).to(dtype)
+    assert_whole_chain_fused(model, (torch.randn(3, 24, dtype=dtype),))
 
 
 NAN_INF_CHAINS = {
