@@ -471,10 +471,25 @@ def _module_tensor(path: str, module: nn.Module, name: str):
     return None if getattr(module, name, None) is None else Attr(f"{path}.{name}" if path else name)
 
 
+_KNOWN_MODULES = (nn.Linear, nn.ReLU, nn.SiLU, nn.Mish, nn.Hardswish, nn.Hardsigmoid, nn.SELU, nn.ReLU6, nn.Sigmoid,
+                  nn.Tanh, nn.Identity, nn.Hardtanh, nn.LeakyReLU, nn.ELU, nn.CELU, nn.GELU, nn.Softplus, nn.Softmax,
+                  nn.LogSoftmax, nn.Dropout, nn.GroupNorm, nn.LayerNorm, nn.BatchNorm1d, nn.InstanceNorm1d,
+                  *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))
+
+
+def _known_module_type(module: nn.Module):
+    """The torch.nn class that `module` computes as: its own, or a base it inherits forward from unchanged
+    (MultiheadAttention's out_proj is a NonDynamicallyQuantizableLinear, a Linear in all but name)."""
+    for base in type(module).__mro__:
+        if base in _KNOWN_MODULES:
+            return base if type(module).forward is base.forward else None
+    return None
+
+
 def _module_call(module: nn.Module, path: str):
     """Return (function, extra args after the input, kwargs) equivalent to calling `module`."""
     T = lambda name: _module_tensor(path, module, name)  # noqa: E731  (a module tensor as an operand)
-    kind = type(module)
+    kind = _known_module_type(module)
     if kind is nn.Linear:
         return F.linear, (T("weight"), T("bias")), {}
     if kind in (nn.ReLU, nn.SiLU, nn.Mish, nn.Hardswish, nn.Hardsigmoid, nn.SELU, nn.ReLU6):

@@ -138,3 +138,16 @@ def test_full_shape_operand_broadcast_by_a_reduced_value():
     model = GemmThen(lambda m, x, y: m.fc(x).sum(-1) + m.col, col=torch.randn(BATCH, 1))
     optimized = assert_whole_chain_fused(model, (torch.randn(BATCH, IN),))
     assert optimized(torch.randn(BATCH, IN)).shape == (BATCH, BATCH)
+
+
+def test_torch_nn_subclass_of_linear_is_an_anchor():
+    """MultiheadAttention's out_proj is a NonDynamicallyQuantizableLinear: a Linear in all but name."""
+    linear = nn.modules.linear.NonDynamicallyQuantizableLinear(IN, OUT)
+    model = nn.Sequential(linear, nn.GELU())
+    assert_whole_chain_fused(model, (torch.randn(BATCH, IN),))
+
+
+def test_lazy_linear_is_an_anchor_once_materialized():
+    model = nn.Sequential(nn.LazyLinear(OUT), nn.Tanh())
+    model(torch.randn(BATCH, IN))
+    assert_whole_chain_fused(model, (torch.randn(BATCH, IN),))
