@@ -37,8 +37,8 @@ class GemmThen(nn.Module):
         return self.epilogue(self, x, y)
 
 
-# Nodes a fully fused graph may still hold besides the fused ops (and their eval-mode checks): inputs, attributes, the output, and the
-# transpose of a weight that the GEMM reads as `x @ W`.
+# Nodes a fully fused graph may still hold besides the fused ops (and their eval-mode checks): inputs,
+# attributes, the output, and the transpose of a weight that the GEMM reads as `x @ W`.
 _BOOKKEEPING = {"placeholder", "get_attr", "output"}
 
 
