@@ -107,6 +107,23 @@ def test_nan_and_inf_propagate_as_in_eager(chain):
     assert torch.isfinite(out[0]).all() and torch.isfinite(out[5]).all(), "finite rows must stay finite"
 
 
+SPECIAL_SCALARS = {
+    "clamp(min=-inf)": (lambda m, x, y: torch.clamp(m.fc(x), min=float("-inf"), max=0.5), "clamp(%0,-inf,0.5)"),
+    "x*inf": (lambda m, x, y: m.fc(x) * float("inf"), "mul(%0,inf)"),
+    "x+nan": (lambda m, x, y: m.fc(x) + float("nan"), "add(%0,nan)"),
+    "eps=1e-12": (lambda m, x, y: F.layer_norm(m.fc(x), (40,), eps=1e-12), "layer_norm(%0,None,None,1e-12)"),
+    "slope=1e-30": (lambda m, x, y: F.leaky_relu(m.fc(x), 1e-30), "leaky_relu(%0,1e-30)"),
+}
+
+
+@pytest.mark.parametrize("name", list(SPECIAL_SCALARS))
+def test_special_scalars_are_captured_exactly(name):
+    epilogue, program = SPECIAL_SCALARS[name]
+    optimized = assert_whole_chain_fused(GemmThen(epilogue, in_features=24, out_features=40),
+                                         (torch.randn(3, 24),))
+    assert fused_programs(optimized) == [program]
+
+
 def test_worst_element_is_reported_on_mismatch():
     expected = torch.zeros(3, 4)
     actual = expected.clone()
