@@ -145,6 +145,12 @@ def _children_inputs(model: nn.Module, example_inputs) -> dict[str, tuple]:
     return seen
 
 
+def _single_torch_module(module: nn.Module) -> bool:
+    """A torch.nn module that tracing treats as one op (nn.Linear, nn.Dropout...), containers aside."""
+    containers = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+    return not isinstance(module, containers) and fx.Tracer().is_leaf_module(module, "")
+
+
 def _optimize(model: nn.Module, example_inputs, path: str, report: Report) -> nn.Module:
     try:
         gm = _trace(model)
@@ -156,7 +162,12 @@ def _optimize(model: nn.Module, example_inputs, path: str, report: Report) -> nn
         result = copy.copy(model)
         result._modules = dict(model._modules)
         for name, child in model.named_children():
-            result._modules[name] = _optimize(child, inputs.get(name), f"{path}.{name}" if path else name, report)
+            if _single_torch_module(child):
+                continue  # no chain to fuse inside it, and tracing it alone would freeze its train/eval behaviour
+            fused_before = len(report.fused)
+            optimized = _optimize(child, inputs.get(name), f"{path}.{name}" if path else name, report)
+            if len(report.fused) > fused_before:  # else the child stays itself: its type, its modes
+                result._modules[name] = optimized
         return result
     if example_inputs is not None:
         _propagate_shapes(gm, example_inputs)

@@ -216,3 +216,32 @@ def test_state_the_graph_does_not_read_is_kept_as_it_was(with_example_inputs):
     assert list(restored.state_dict()) == list(original)
     with torch.no_grad():
         assert_close_report(restored(x), model(x))
+
+
+class DataDependentWithModes(nn.Module):
+    """Untraceable, with children whose behaviour depends on train/eval mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(24, 40)
+        self.bn = nn.BatchNorm1d(40)
+        self.drop = nn.Dropout(0.5)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(40, 40), nn.ReLU())])
+
+    def forward(self, x):
+        h = self.bn(self.fc(x))
+        if h.sum() > 1e9:
+            return h
+        return self.blocks[0](self.drop(h))
+
+
+def test_untraceable_model_keeps_its_single_torch_modules_and_their_modes():
+    model = DataDependentWithModes().train()
+    x = torch.randn(5, 24)
+    optimized = fxfuse.optimize(model, (x,))
+    assert optimized.fc is model.fc and optimized.bn is model.bn and optimized.drop is model.drop
+    assert fused_op_count(optimized.blocks[0]) == 1
+    optimized.eval()
+    model.eval()
+    with torch.no_grad():
+        assert_close_report(optimized(x), model(x))
