@@ -11,6 +11,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxfuse.program import Program, run_reference
+from fxfuse.testing import assert_close_report
 
 N = 12  # output features
 K = 8   # input features
@@ -101,7 +102,7 @@ def test_result_equals_the_reference_interpreter(name):
     args = make_args(name)
     expected = run_reference(*args)
     actual = torch.ops.fxfuse.gemm_epilogue(*args)
-    torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+    assert_close_report(actual, expected, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 import fxfuse
 from epilogue_models import assert_whole_chain_fused
 from fxfuse.program import Program
+from fxfuse.testing import assert_close_report
 
 # FXFUSE_PROPERTY_EXAMPLES=2000 fuzzes harder, with fresh random examples (CI: 40, derandomized).
 EXAMPLES = int(os.environ.get("FXFUSE_PROPERTY_EXAMPLES", "0"))
@@ -171,7 +172,7 @@ def test_random_chain_fuses_without_example_inputs_too(chain):
     x, y = torch.randn(*leading, in_features), torch.randn(*leading, out_features)
     optimized = fxfuse.optimize(model)
     with torch.no_grad():
-        torch.testing.assert_close(optimized(x, y), model(x, y), rtol=1e-5, atol=1e-5, equal_nan=True)
+        assert_close_report(optimized(x, y), model(x, y), rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------- any graph: whatever is fused must be right
@@ -229,8 +230,8 @@ def test_random_graph_optimized_matches_eager(graph):
         optimized = fxfuse.optimize(model, (x, y.clone()))
         actual = optimized(x, y.clone())
     assert len(actual) == len(expected)
-    for a, e in zip(actual, expected):
-        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5, equal_nan=True)
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        assert_close_report(a, e, rtol=1e-5, atol=1e-5, what=f"output {i}")
 
 
 # ---------------------------------------------------------------- the program text
