@@ -1,0 +1,241 @@
+"""GPU benchmark of the fused op against eager, torch.compile and the GEMM alone.
+
+Entry point: ``python -m fxfuse.bench [model files...] [--png PATH] [--runs N]`` (default: examples/*.py).
+
+For each model file and each precision (fp32 IEEE, tf32, bf16) it times every entry of ``COLUMNS`` and the GEMM
+alone (``F.linear`` with the model's own Linear weights at the same precision) with CUDA events: warm-up, then the
+median of many calls, rotating several input sets so that inputs do not sit in L2. It prints one table of times
+and ratios to the GEMM alone, writes a PNG bar chart of the ratios, and reports the epilogue kernels' own time
+(from torch.profiler's CUDA kernel records of the fxfuse call) against the memory floor: bytes the epilogue must
+read and write over the device-to-device copy bandwidth measured in the same run.
+
+A column is one ``Column`` entry in ``COLUMNS``: a name and a function (model, example inputs) -> callable.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import struct
+import sys
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .modelfile import example_files, load_model_file
+
+PRECISIONS = [  # (name, dtype, allow_tf32)
+    ("fp32", torch.float32, False),
+    ("tf32", torch.float32, True),
+    ("bf16", torch.bfloat16, False),
+]
+INPUT_SETS = 4          # x of 1024 x 8192 fp32 is 32 MB: four sets exceed the H100's 50 MB L2
+EPILOGUE_KERNELS = ("row_program_kernel", "broadcast_tail_kernel")
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    build: Callable[[nn.Module, list], Callable]
+
+
+def _build_fxfuse(model, inputs):
+    import fxfuse
+
+    return fxfuse.optimize(model, inputs)
+
+
+COLUMNS = [
+    Column("eager", lambda model, inputs: model),
+    Column("torch.compile", lambda model, inputs: torch.compile(model)),
+    Column("fxfuse", _build_fxfuse),
+]
+
+
+def first_linear(model: nn.Module) -> nn.Linear:
+    return next(m for m in model.modules() if isinstance(m, nn.Linear))
+
+
+def time_ms(fn: Callable, input_sets: list[list], runs: int, warmup: int = 5) -> float:
+    """Median milliseconds of fn(*inputs), rotating the input sets; all calls queued, one sync at the end."""
+    with torch.no_grad():
+        for i in range(warmup):
+            fn(*input_sets[i % len(input_sets)])
+        torch.cuda.synchronize()
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(runs)]
+        for i, (start, end) in enumerate(events):
+            start.record()
+            fn(*input_sets[i % len(input_sets)])
+            end.record()
+        torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events)
+
+
+def copy_bandwidth_gbs(nbytes: int = 1 << 30, runs: int = 20) -> float:
+    """Device-to-device copy bandwidth, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), [[]], runs)
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def epilogue_kernel_us(fn: Callable, inputs: list, calls: int = 10) -> float:
+    """Mean CUDA time per call of the epilogue kernels (the fused op's own launches after its GEMM)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad():
+        fn(*inputs)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fn(*inputs)
+            torch.cuda.synchronize()
+    total = sum(e.device_time_total for e in prof.key_averages()
+                if any(k in e.key for k in EPILOGUE_KERNELS))
+    return total / calls
+
+
+def epilogue_bytes(model: nn.Module, inputs: list, out: torch.Tensor) -> int:
+    """Fewest bytes the epilogue moves: the GEMM output read once, the result written once."""
+    linear = first_linear(model)
+    rows = inputs[0].numel() // inputs[0].shape[-1]
+    element = out.element_size()
+    return rows * linear.out_features * element + out.numel() * element
+
+
+def bench_file(path, runs: int, bandwidth: float) -> list[dict]:
+    model_file = load_model_file(path)
+    rows = []
+    for precision, dtype, allow_tf32 in PRECISIONS:
+        torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+        torch._dynamo.reset()
+        model, inputs = model_file.build()
+        model = model.to(device="cuda", dtype=dtype)
+        input_sets = [[t.to(device="cuda", dtype=dtype) if t.is_floating_point() else t.cuda() for t in inputs]]
+        input_sets += [[torch.rand_like(t) for t in input_sets[0]] for _ in range(INPUT_SETS - 1)]
+        linear = first_linear(model)
+        row = {"model": model_file.name, "precision": precision,
+               "gemm": time_ms(lambda x, *_: F.linear(x, linear.weight, linear.bias), input_sets, runs)}
+        callables = {}
+        for column in COLUMNS:
+            callables[column.name] = column.build(model, input_sets[0])
+            row[column.name] = time_ms(callables[column.name], input_sets, runs)
+        fused = callables["fxfuse"]
+        with torch.no_grad():
+            out = fused(*input_sets[0])
+        row["epilogue_us"] = epilogue_kernel_us(fused, input_sets[0])
+        row["floor_us"] = epilogue_bytes(model, input_sets[0], out) / (bandwidth * 1e9) * 1e6
+        rows.append(row)
+        print(format_row(row), flush=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    return rows
+
+
+def header() -> str:
+    cells = [f"{'model':<32}", f"{'prec':<5}", f"{'GEMM ms':>8}"]
+    cells += [f"{c.name + ' ms (x GEMM)':>26}" for c in COLUMNS]
+    cells += [f"{'epilogue us':>11}", f"{'floor us':>9}", f"{'% copy BW':>9}"]
+    return " ".join(cells)
+
+
+def format_row(row: dict) -> str:
+    cells = [f"{row['model']:<32}", f"{row['precision']:<5}", f"{row['gemm']:>8.3f}"]
+    cells += [f"{row[c.name]:>15.3f} ({row[c.name] / row['gemm']:6.3f}x)" for c in COLUMNS]
+    share = row["floor_us"] / row["epilogue_us"] * 100 if row["epilogue_us"] else float("nan")
+    cells += [f"{row['epilogue_us']:>11.1f}", f"{row['floor_us']:>9.1f}", f"{share:>8.0f}%"]
+    return " ".join(cells)
+
+
+# ---------------------------------------------------------------- the PNG chart
+
+def write_png(rows: list[dict], path: Path) -> None:
+    """Bar chart of each column's time over the GEMM alone, one group per (model, precision)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        _write_plain_png(rows, path)
+        return
+    labels = [f"{r['model']}\n{r['precision']}" for r in rows]
+    width = 0.8 / len(COLUMNS)
+    fig, ax = plt.subplots(figsize=(max(8, len(rows) * 1.2), 5))
+    for i, column in enumerate(COLUMNS):
+        ax.bar([k + i * width for k in range(len(rows))], [r[column.name] / r["gemm"] for r in rows], width,
+               label=column.name)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([k + width * (len(COLUMNS) - 1) / 2 for k in range(len(rows))], labels, fontsize=6)
+    ax.set_ylabel("time / GEMM alone")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+COLORS = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189)]
+
+
+def _write_plain_png(rows: list[dict], path: Path) -> None:
+    """The same chart without matplotlib: bars only, a black line at 1.0, grey lines every 0.5; colours in
+    COLUMNS order (blue, orange, green, ...), groups in table order."""
+    ratios = [[r[c.name] / r["gemm"] for c in COLUMNS] for r in rows]
+    top = max(2.0, max(max(g) for g in ratios) * 1.05)
+    bar, gap, height = 10, 14, 300
+    width = gap + len(rows) * (len(COLUMNS) * bar + gap)
+    pixels = [[(255, 255, 255)] * width for _ in range(height)]
+
+    def y_of(value):
+        return height - 1 - min(height - 1, int(value / top * (height - 1)))
+
+    for tick in range(1, int(top / 0.5) + 1):
+        pixels[y_of(tick * 0.5)] = [(220, 220, 220)] * width
+    for g, group in enumerate(ratios):
+        x0 = gap + g * (len(COLUMNS) * bar + gap)
+        for c, value in enumerate(group):
+            for y in range(y_of(value), height):
+                for x in range(x0 + c * bar, x0 + (c + 1) * bar - 1):
+                    pixels[y][x] = COLORS[c % len(COLORS)]
+    pixels[y_of(1.0)] = [(0, 0, 0)] * width
+    raw = b"".join(b"\x00" + bytes(v for px in line for v in px) for line in pixels)
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+    png += chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b"")
+    path.write_bytes(png)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fxfuse.bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("files", nargs="*", help="KernelBench-style model files (default: examples/*.py)")
+    parser.add_argument("--png", default="bench.png", help="where to write the chart (default: bench.png)")
+    parser.add_argument("--runs", type=int, default=50, help="timed calls per measurement (default: 50)")
+    parser.add_argument("--columns", default=",".join(c.name for c in COLUMNS),
+                        help="comma-separated columns to time (default: all; fxfuse is always timed)")
+    args = parser.parse_args(argv)
+    wanted = set(args.columns.split(",")) | {"fxfuse"}
+    COLUMNS[:] = [c for c in COLUMNS if c.name in wanted]
+    if not torch.cuda.is_available():
+        print("fxfuse.bench: needs a CUDA GPU", file=sys.stderr)
+        return 1
+    files = args.files or example_files()
+    bandwidth = copy_bandwidth_gbs()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}; "
+          f"device-to-device copy {bandwidth:.0f} GB/s (read + write)")
+    print(header(), flush=True)
+    rows = [row for path in files for row in bench_file(path, args.runs, bandwidth)]
+    write_png(rows, Path(args.png))
+    print(f"\nchart: {args.png}")
+    print(header())
+    for row in rows:
+        print(format_row(row))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

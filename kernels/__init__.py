@@ -1,0 +1,130 @@
+"""Builds and loads the CUDA implementation of ``torch.ops.fxfuse.gemm_epilogue``.
+
+Entry points: ``load()`` (call before running the fused op on a GPU; cheap once loaded) and ``supported_ops()``.
+
+The sources (``*.cu``, ``*.cuh`` here) are compiled once with ``torch.utils.cpp_extension`` and ninja for the
+visible GPUs' architectures into a cache directory (``~/.cache/fxfuse``, or ``$FXFUSE_CACHE_DIR``) keyed by a
+hash of the sources, the torch and CUDA versions and the archs; later processes load the cached library with
+``torch.ops.load_library``. A file lock keeps concurrent builders from corrupting the cache. Without a GPU or
+nvcc, ``load()`` logs one warning and returns False, and the op keeps running its reference implementation.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("fxfuse")
+
+SOURCE_DIR = Path(__file__).resolve().parent
+NVCC_FLAGS = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
+
+_loaded = False
+_warned = False
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("FXFUSE_CACHE_DIR") or Path.home() / ".cache" / "fxfuse")
+
+
+def _sources() -> list[Path]:
+    return sorted(SOURCE_DIR.glob("*.cu"))
+
+
+def _arch_flags() -> list[str]:
+    """-gencode flags for every visible GPU's compute capability (sm_90a on Hopper)."""
+    flags = []
+    for index in range(torch.cuda.device_count()):
+        major, minor = torch.cuda.get_device_capability(index)
+        arch = f"{major}{minor}" + ("a" if major == 9 and minor == 0 else "")
+        flag = f"-gencode=arch=compute_{arch},code=sm_{arch}"
+        if flag not in flags:
+            flags.append(flag)
+    return flags
+
+
+def build_key(arch_flags: list[str]) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(SOURCE_DIR.glob("*.cu")) + sorted(SOURCE_DIR.glob("*.cuh")):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    for item in [torch.__version__, str(torch.version.cuda), *arch_flags, *NVCC_FLAGS]:
+        digest.update(item.encode())
+    return digest.hexdigest()[:16]
+
+
+def _warn_once(message: str) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        logger.warning("fxfuse: %s; torch.ops.fxfuse.gemm_epilogue runs its reference implementation", message)
+
+
+def _find_nvcc() -> str | None:
+    from torch.utils import cpp_extension
+
+    home = cpp_extension.CUDA_HOME
+    candidate = os.path.join(home, "bin", "nvcc") if home else None
+    if candidate and os.path.exists(candidate):
+        return candidate
+    return shutil.which("nvcc")
+
+
+def load() -> bool:
+    """Loads the kernels (building them once if needed); False where this machine cannot run them."""
+    global _loaded
+    if _loaded:
+        return True
+    from fxfuse import library  # noqa: F401  (defines the fxfuse ops the kernels implement)
+
+    if not torch.cuda.is_available() or torch.version.cuda is None:
+        _warn_once("no CUDA GPU")
+        return False
+    if _find_nvcc() is None:
+        _warn_once("nvcc not found, so the CUDA kernels cannot be built")
+        return False
+
+    arch_flags = _arch_flags()
+    key = build_key(arch_flags)
+    name = f"fxfuse_kernels_{key}"
+    build_dir = cache_root() / f"gemm_epilogue-{key}"
+    complete = build_dir / "complete"
+    try:
+        if not complete.exists():
+            build_dir.mkdir(parents=True, exist_ok=True)
+            # not build_dir / "lock": cpp_extension's own FileBaton takes that name and would wait on ours forever
+            with open(cache_root() / f"gemm_epilogue-{key}.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # a concurrent builder finishes first; then we find it complete
+                if not complete.exists():
+                    _build(name, build_dir, arch_flags)
+                    complete.write_text(name + "\n")
+                    _loaded = True
+                    return True
+        torch.ops.load_library(str(build_dir / f"{name}.so"))
+    except Exception as error:  # a failed build or load must not break the model: the reference still runs
+        _warn_once(f"the CUDA kernels failed to build or load ({error})")
+        return False
+    _loaded = True
+    return True
+
+
+def _build(name: str, build_dir: Path, arch_flags: list[str]) -> None:
+    from torch.utils import cpp_extension
+
+    archs = ", ".join(flag.rsplit("=", 1)[1] for flag in arch_flags)
+    print(f"fxfuse: building the CUDA kernels for {archs} into {build_dir} (once per version) ...", flush=True)
+    start = time.perf_counter()
+    cpp_extension.load(name=name, sources=[str(p) for p in _sources()], extra_cuda_cflags=NVCC_FLAGS + arch_flags,
+                       build_directory=str(build_dir), is_python_module=False, verbose=False)
+    print(f"fxfuse: built the CUDA kernels in {time.perf_counter() - start:.0f} s", flush=True)
+
+
+def supported_ops() -> list[str]:
+    """The epilogue ops the loaded kernels implement (call after a successful ``load()``)."""
+    return torch.ops.fxfuse.cuda_supported_ops().split(",")

@@ -1,0 +1,353 @@
+"""GPU tests of the CUDA implementation of torch.ops.fxfuse.gemm_epilogue (kernels/), run with `pytest -m cuda`.
+
+Every result is compared with the reference interpreter (fxfuse.program.run_reference) run on float64 copies of
+the same inputs, by ||out - ref|| / ||ref|| against the bound of the dtype: 1e-5 fp32 (IEEE GEMM), 5e-4 tf32,
+1e-2 bf16 / fp16. Inputs are fresh random draws (never zeros); outputs that the kernels allocate are poisoned
+with NaN beforehand, and no NaN may appear where the reference has none.
+"""
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from fxfuse import kernels
+from fxfuse.epilogue import EPILOGUE_OPS, NORM, POINTWISE, REDUCTION
+from fxfuse.program import Instruction, Param, Program, Value, run_reference
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+BOUNDS = {"fp32": 1e-5, "tf32": 5e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+EXAMPLES = {
+    "linear_hardtanh_mish_groupnorm": "add(%0,$0);clamp(%1,-1.0,1.0);mish(%2);group_norm(%3,$1,$2,256,1e-05)",
+    "linear_groupnorm_min_bias": "group_norm(%0,$0,$1,512,1e-05);amin(%1,1,True);add(%2,$2)",
+    "linear_groupnorm_leakyrelu_sum": "group_norm(%0,$0,$1,512,1e-05);leaky_relu(%1,0.01);add(%2,%2)",
+    "linear_groupnorm_hardtanh": "group_norm(%0,$0,$1,16,1e-05);clamp(%1,-2.0,2.0)",
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def loaded_kernels():
+    assert kernels.load(), "the CUDA kernels did not build or load"
+
+
+@pytest.fixture
+def precision(request):
+    """Sets torch's TF32 flag for the test's precision name, and restores it."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = request.param == "tf32"
+    yield request.param
+    torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def bound_for(precision):
+    return BOUNDS[precision] if precision in BOUNDS else BOUNDS[DTYPES[precision]]
+
+
+def linear_inputs(m, k, n, dtype, lead=None):
+    bound = k ** -0.5
+    x = torch.randn(*(lead or (m,)), k, device="cuda").to(dtype)
+    weight = torch.empty(n, k, device="cuda").uniform_(-bound, bound).to(dtype)
+    bias = torch.empty(n, device="cuda").uniform_(-bound, bound).to(dtype)
+    return x, weight, bias
+
+
+def poison_allocator(*shapes, dtype):
+    """Leaves NaN in the allocator's free blocks of these shapes, so an output the kernels allocate and fail to
+    write shows up as NaN."""
+    for shape in shapes:
+        torch.full(shape, float("nan"), device="cuda", dtype=dtype)
+
+
+def reference_program(program, dtype):
+    """The program for a float64 reference of a run in `dtype`: rms_norm's eps=None means finfo(dtype).eps."""
+    instructions = []
+    for ins in Program.parse(program).instructions:
+        if ins.op == "rms_norm" and ins.attrs == (None,):
+            ins = Instruction(ins.op, ins.operands, (torch.finfo(dtype).eps,))
+        instructions.append(ins)
+    return str(Program(tuple(instructions)))
+
+
+def assert_close_to_reference(out, x, weight, bias, params, program, bound):
+    as64 = lambda t: None if t is None else t.double()
+    ref = run_reference(as64(x), as64(weight), as64(bias), [as64(p) for p in params],
+                        reference_program(program, x.dtype))
+    assert out.shape == ref.shape, f"shape {tuple(out.shape)} != reference {tuple(ref.shape)}"
+    assert out.dtype == x.dtype
+    got = out.double()
+    unwritten = torch.isnan(got) & ~torch.isnan(ref)
+    diff = (got - ref).nan_to_num(nan=float("inf")).abs()
+    worst = torch.argmax(torch.where(unwritten, torch.inf, diff).flatten()).item()
+    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), ref.shape))
+    where = f"worst at {index}: got {got.flatten()[worst].item()!r}, reference {ref.flatten()[worst].item()!r}"
+    assert not unwritten.any(), f"{program}: {int(unwritten.sum())} NaN where the reference has none; {where}"
+    error = relative_error(got, ref)
+    if x.dtype != torch.float32:
+        # bf16 / fp16: no worse than eager in that dtype where eager itself misses the bound (ill-conditioned ops:
+        # a softplus threshold or a 2-element group flips on the GEMM output's own rounding)
+        eager = run_reference(x, weight, bias, params, program).double()
+        bound = max(bound, 1.5 * relative_error(eager, ref))
+    assert error <= bound, f"{program}: relative error {error:.3g} > {bound:g}; {where}"
+
+
+def relative_error(got, ref):
+    finite = torch.isfinite(ref)
+    norm = torch.linalg.vector_norm(ref[finite]).item()
+    return torch.linalg.vector_norm((got - ref)[finite]).item() / max(norm, 1e-30)
+
+
+def run_and_check(program, x, weight, bias, params, bound, out_shape=None):
+    poison_allocator(out_shape or (*x.shape[:-1], weight.shape[0]), dtype=x.dtype)
+    out = torch.ops.fxfuse.gemm_epilogue(x, weight, bias, params, program)
+    assert_close_to_reference(out, x, weight, bias, params, program, bound)
+    return out
+
+
+def test_every_vocabulary_op_is_supported():
+    missing = set(EPILOGUE_OPS) - set(kernels.supported_ops())
+    assert not missing, f"ops without a CUDA functor: {sorted(missing)}"
+
+
+# ---------------------------------------------------------------- each op, with each of its sample attributes
+
+def op_programs(name, n):
+    """(program, params factory) pairs exercising op `name` on the GEMM output."""
+    spec = EPILOGUE_OPS[name]
+    cases = []
+    for attrs in spec.samples:
+        attr_values = tuple(attrs[a] for a in spec.attrs)
+        if spec.is_binary:
+            # a GEMM output divisor is kept away from 0 (1 / x near 0 amplifies the GEMM's own rounding)
+            prefix, v = ("abs(%0);add(%1,1.0);", Value(2)) if name == "div" else ("", Value(0))
+            for a, b in [(v, Param(0)), (Param(0), v), (v, 2.5), (1.5, v), (v, v)]:
+                cases.append((prefix + str(Instruction(name, (a, b), ())), "feature"))
+            cases.append((str(Instruction(name, (Value(0), Param(0)), ())), "full"))
+            cases.append((str(Instruction(name, (Value(0), Param(0)), ())), "row"))
+        elif spec.kind == POINTWISE and name == "batch_norm":
+            cases.append((str(Instruction(name, (Value(0), Param(0), Param(1), Param(2), Param(3)), attr_values)),
+                          "batch_norm"))
+        elif spec.kind == POINTWISE:
+            # log and fractional powers need positive inputs: abs + 0.5 first
+            prefix = "abs(%0);add(%1,0.5);" if name in ("log", "pow") else ""
+            first = Value(2) if prefix else Value(0)
+            cases.append((prefix + str(Instruction(name, (first,), attr_values)), "none"))
+        elif spec.kind == NORM:
+            operands = (Value(0),) + tuple(Param(i) for i in range(len(spec.operands) - 1))
+            cases.append((str(Instruction(name, operands, attr_values)), "affine"))
+        else:
+            assert spec.kind == REDUCTION
+            cases.append((str(Instruction(name, (Value(0),), attr_values)), "none"))
+    return cases
+
+
+def make_params(kind, m, n, dtype):
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda").to(dtype)
+    if kind == "feature":
+        return [rand(n) + 2.0]  # away from 0 for div
+    if kind == "full":
+        return [rand(m, n) + 2.0]
+    if kind == "row":
+        return [rand(m, 1) + 2.0]
+    if kind == "affine":
+        return [rand(n), rand(n)]
+    if kind == "batch_norm":
+        return [rand(n), torch.rand(n, device="cuda").to(dtype) + 0.5, rand(n), rand(n)]
+    return []
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"], indirect=True)
+@pytest.mark.parametrize("name", sorted(EPILOGUE_OPS))
+def test_each_op(name, precision):
+    dtype = DTYPES[precision]
+    m, k, n = 200, 257, 1000
+    for program, kind in op_programs(name, n):
+        x, weight, bias = linear_inputs(m, k, n, dtype)
+        run_and_check(program, x, weight, bias, make_params(kind, m, n, dtype), bound_for(precision))
+
+
+# ---------------------------------------------------------------- shapes and group counts
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"], indirect=True)
+@pytest.mark.parametrize("n", [96, 1000, 1024, 8192])
+@pytest.mark.parametrize("m", [1, 3, 1000, 1024, 4096])
+def test_shapes_and_group_counts(m, n, precision):
+    dtype = DTYPES[precision]
+    for groups in [g for g in (1, 16, 256, 512) if n % g == 0]:
+        program = f"add(%0,$0);clamp(%1,-1.0,1.0);mish(%2);group_norm(%3,$1,$2,{groups},1e-05)"
+        x, weight, bias = linear_inputs(m, 257, n, dtype)
+        params = [torch.randn(n, device="cuda").to(dtype) for _ in range(3)]
+        run_and_check(program, x, weight, bias, params, bound_for(precision))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"], indirect=True)
+@pytest.mark.parametrize("groups", [3, 8, 125, 500, 1000])
+def test_group_sizes_off_the_lane_grid(groups, precision):
+    """Group sizes that are not a power-of-2 multiple of a 16-byte chunk take the shared-memory path."""
+    dtype = DTYPES[precision]
+    n = 3000 if groups == 3 else 1000
+    x, weight, bias = linear_inputs(37, 65, n, dtype)
+    params = [torch.randn(n, device="cuda").to(dtype) for _ in range(2)]
+    run_and_check(f"group_norm(%0,$0,$1,{groups},1e-05)", x, weight, bias, params, bound_for(precision))
+
+
+# ---------------------------------------------------------------- program families
+
+FAMILIES = [
+    # (program, params(m, n) shapes, output shape or None for the GEMM's)
+    ("softmax(%0,-1)", [], None),
+    ("log_softmax(%0,1);mul(%1,0.5)", [], None),
+    ("sigmoid(%0);mul(%0,%1)", [], None),                                    # x * sigmoid(x): one slot
+    ("amax(%0,-1,True);sub(%0,%1);exp(%2)", [], None),                       # per-row value back onto the row
+    ("relu(%0);tanh(%0);add(%1,%2);mul(%3,%0)", [], None),                   # two slots
+    ("logsumexp(%0,-1,False);add(%1,$0)", [("m",)], "rows"),                 # per-row output + per-row param
+    ("sum(%0,-1,True);mul(%1,$0)", [("m", 1)], "rows_keep"),
+    ("layer_norm(%0,$0,$1,1e-05);gelu(%1,'tanh')", [("n",), ("n",)], None),
+    ("rms_norm(%0,$0,None);silu(%1)", [("n",)], None),
+    ("group_norm(%0,$0,$1,8,1e-05);amin(%1,1,True);add(%2,$2)", [("n",), ("n",), (1, "n", 1, 1)], "broadcast"),
+    ("mean(%0,-1,True);sub($0,%1);sigmoid(%2);mul(%3,%2)", [(1, "n", 1, 1)], "broadcast"),  # tail with a slot
+]
+
+
+def resolve(shape, m, n):
+    return tuple(m if d == "m" else n if d == "n" else d for d in shape)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16", "fp16"], indirect=True)
+@pytest.mark.parametrize("family", range(len(FAMILIES)))
+def test_program_families(family, precision):
+    program, param_shapes, output = FAMILIES[family]
+    dtype = DTYPES[precision]
+    m, k, n = 300, 513, 1024
+    x, weight, bias = linear_inputs(m, k, n, dtype)
+    params = [torch.randn(resolve(s, m, n), device="cuda").to(dtype) for s in param_shapes]
+    out_shape = {None: (m, n), "rows": (m,), "rows_keep": (m, 1), "broadcast": (1, n, m, 1)}[output]
+    run_and_check(program, x, weight, bias, params, bound_for(precision), out_shape)
+
+
+def test_three_dim_input_with_layer_norm_runs_on_rows():
+    x, weight, bias = linear_inputs(None, 129, 256, torch.float32, lead=(4, 50))
+    params = [torch.randn(256, device="cuda"), torch.randn(256, device="cuda")]
+    run_and_check("layer_norm(%0,$0,$1,1e-05);relu(%1)", x, weight, bias, params, BOUNDS["fp32"])
+
+
+# ---------------------------------------------------------------- the four examples at full size
+
+def example_params(name, n, dtype):
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda").to(dtype)
+    if name == "linear_hardtanh_mish_groupnorm":
+        return [rand(n) * 0.02, rand(n), rand(n)]
+    if name == "linear_groupnorm_min_bias":
+        return [rand(n), rand(n), rand(1, n, 1, 1) * 0.02]
+    return [rand(n), rand(n)]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"], indirect=True)
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_examples_at_full_size(name, precision):
+    dtype = DTYPES[precision]
+    m, k, n = 1024, 8192, 8192
+    x, weight, bias = linear_inputs(m, k, n, dtype)
+    out_shape = (1, n, m, 1) if name == "linear_groupnorm_min_bias" else (m, n)
+    run_and_check(EXAMPLES[name], x, weight, bias, example_params(name, n, dtype), bound_for(precision), out_shape)
+
+
+# ---------------------------------------------------------------- streams, graphs, fallback, build cache
+
+def test_runs_on_the_current_non_default_stream():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    program = EXAMPLES["linear_groupnorm_min_bias"]
+    x, weight, bias = linear_inputs(512, 1024, 2048, torch.float32)
+    params = example_params("linear_groupnorm_min_bias", 2048, torch.float32)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(50_000_000)  # keeps the side stream busy: work on the default stream would finish first
+        out = torch.ops.fxfuse.gemm_epilogue(x, weight, bias, params, program)
+    torch.cuda.current_stream().wait_stream(stream)
+    assert_close_to_reference(out, x, weight, bias, params, program, BOUNDS["fp32"])
+
+
+def test_cuda_graph_capture_and_replay():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    program = EXAMPLES["linear_hardtanh_mish_groupnorm"]
+    x, weight, bias = linear_inputs(256, 512, 1024, torch.float32)
+    params = example_params("linear_hardtanh_mish_groupnorm", 1024, torch.float32)
+    static_x = x.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.ops.fxfuse.gemm_epilogue(static_x, weight, bias, params, program)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = torch.ops.fxfuse.gemm_epilogue(static_x, weight, bias, params, program)
+    for _ in range(2):
+        fresh = torch.randn_like(x)
+        static_x.copy_(fresh)
+        static_out.fill_(float("nan"))
+        graph.replay()
+        assert_close_to_reference(static_out, fresh, weight, bias, params, program, BOUNDS["fp32"])
+
+
+def non_contiguous_inputs():
+    x, weight, bias = linear_inputs(64, 96, 128, torch.float32)
+    return x.t().contiguous().t(), weight, bias
+
+
+FALLBACKS = [
+    # (why, inputs factory, program, group_norm channels, reason logged)
+    ("float64", lambda: linear_inputs(64, 96, 128, torch.float64), "relu(%0)", 0, "dtype"),
+    ("non-contiguous x", non_contiguous_inputs, "relu(%0)", 0, "not contiguous"),
+    ("3-D x with group_norm", lambda: linear_inputs(None, 96, 128, torch.float32, lead=(4, 16)),
+     "group_norm(%0,$0,$1,4,1e-05)", 16, "group_norm is row-local only"),  # eager's channels: dim 1
+    ("softmax over dim 0", lambda: linear_inputs(64, 96, 128, torch.float32), "softmax(%0,0)", 0, "softmax over a dim"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(FALLBACKS)), ids=[f[0] for f in FALLBACKS])
+def test_fallback_runs_the_reference_and_logs_why(case, caplog):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    _, make, program, channels, reason = FALLBACKS[case]
+    x, weight, bias = make()
+    params = [torch.randn(channels, device="cuda", dtype=x.dtype) for _ in range(2)] if channels else []
+    with caplog.at_level(logging.DEBUG, logger="fxfuse"):
+        out = torch.ops.fxfuse.gemm_epilogue(x, weight, bias, params, program)
+    assert any(reason in record.getMessage() for record in caplog.records), [r.getMessage() for r in caplog.records]
+    bound = 1e-12 if x.dtype == torch.float64 else BOUNDS["fp32"]
+    assert_close_to_reference(out, x, weight, bias, params, program, bound)
+
+
+def test_errors_are_eager_errors():
+    x, weight, bias = linear_inputs(8, 16, 30, torch.float32)
+    params = [torch.randn(30, device="cuda"), torch.randn(30, device="cuda")]
+    program = "group_norm(%0,$0,$1,7,1e-05)"  # 7 does not divide 30
+    with pytest.raises(RuntimeError) as eager:
+        run_reference(x, weight, bias, params, program)
+    with pytest.raises(RuntimeError) as fused:
+        torch.ops.fxfuse.gemm_epilogue(x, weight, bias, params, program)
+    assert str(eager.value).splitlines()[0] in str(fused.value)
+
+
+def test_a_later_process_loads_the_cached_build_quickly():
+    script = ("import time, fxfuse.kernels as k; start = time.perf_counter(); assert k.load(); "
+              "print(time.perf_counter() - start)")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=dict(os.environ),
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "building" not in result.stdout, "the second process rebuilt the kernels"
+    seconds = float(result.stdout.strip().splitlines()[-1])
+    assert seconds < 2.0, f"loading the cached build took {seconds:.2f} s"
+
+
+def test_load_is_cheap_once_loaded():
+    start = time.perf_counter()
+    for _ in range(100):
+        assert kernels.load()
+    assert time.perf_counter() - start < 0.01
