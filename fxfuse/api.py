@@ -40,6 +40,14 @@ class FusedGraphModule(fx.GraphModule):
         rebuild, args = super().__reduce__()
         return _unpickle_fused, (rebuild, args)
 
+    def __copy__(self):
+        copied = super().__copy__()  # a plain GraphModule of what the graph reads, sharing this graph
+        fused = FusedGraphModule(copied, copied.graph, class_name=type(self).__name__)
+        _adopt_state(fused, self)
+        for name in ("meta", *(k for k in self.__dict__ if k not in fused.__dict__)):
+            fused.__dict__[name] = self.__dict__[name]
+        return fused
+
 
 def _state_of(attributes: dict):
     names = ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set", "training")

@@ -94,8 +94,8 @@ def roundtrip_torch_save(module):
     return torch.load(buffer, weights_only=False)
 
 
-@pytest.mark.parametrize("roundtrip", [roundtrip_deepcopy, roundtrip_pickle, roundtrip_torch_save],
-                         ids=["deepcopy", "pickle", "torch.save"])
+@pytest.mark.parametrize("roundtrip", [copy.copy, roundtrip_deepcopy, roundtrip_pickle, roundtrip_torch_save],
+                         ids=["copy", "deepcopy", "pickle", "torch.save"])
 def test_roundtrip_keeps_the_fused_module_working(roundtrip):
     model, optimized = optimized_block()
     restored = roundtrip(optimized)
@@ -212,10 +212,11 @@ def test_state_the_graph_does_not_read_is_kept_as_it_was(with_example_inputs):
     assert optimized.inner is model.inner and optimized.training is False
     with torch.no_grad():
         assert_close_report(optimized(x), model(x))
-    restored = roundtrip_torch_save(optimized)
-    assert list(restored.state_dict()) == list(original)
-    with torch.no_grad():
-        assert_close_report(restored(x), model(x))
+    for restored in (copy.copy(optimized), copy.deepcopy(optimized), roundtrip_torch_save(optimized)):
+        assert list(restored.state_dict()) == list(original)
+        restored.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            assert_close_report(restored(x), model(x))
 
 
 class DataDependentWithModes(nn.Module):
