@@ -9,6 +9,9 @@ and ratios to the GEMM alone, writes a PNG bar chart of the ratios, and reports 
 (from torch.profiler's CUDA kernel records of the fxfuse call) against the memory floor: bytes the epilogue must
 read and write over the device-to-device copy bandwidth measured in the same run.
 
+Each model also gets a training-step row per precision in ``TRAINING_PRECISIONS``: forward + backward + SGD step
+for every column, with the same step of the GEMM alone as its baseline (its epilogue columns stay empty).
+
 A column is one ``Column`` entry in ``COLUMNS``: a name and a function (model, example inputs) -> callable.
 """
 from __future__ import annotations
@@ -33,6 +36,7 @@ PRECISIONS = [  # (name, dtype, allow_tf32)
     ("tf32", torch.float32, True),
     ("bf16", torch.bfloat16, False),
 ]
+TRAINING_PRECISIONS = ("bf16",)  # training-step rows; each costs two more Inductor compiles of forward + backward
 INPUT_SETS = 4          # x of 1024 x 8192 fp32 is 32 MB: four sets exceed the H100's 50 MB L2
 EPILOGUE_KERNELS = ("row_program_kernel", "broadcast_tail_kernel")
 
@@ -49,10 +53,17 @@ def _build_fxfuse(model, inputs):
     return fxfuse.optimize(model, inputs)
 
 
+def _build_compile_fxfuse(model, inputs):
+    import fxfuse  # noqa: F401  (registers the backend)
+
+    return torch.compile(model, backend="fxfuse")
+
+
 COLUMNS = [
     Column("eager", lambda model, inputs: model),
     Column("torch.compile", lambda model, inputs: torch.compile(model)),
     Column("fxfuse", _build_fxfuse),
+    Column("compile(fxfuse)", _build_compile_fxfuse),
 ]
 
 
@@ -60,9 +71,9 @@ def first_linear(model: nn.Module) -> nn.Linear:
     return next(m for m in model.modules() if isinstance(m, nn.Linear))
 
 
-def time_ms(fn: Callable, input_sets: list[list], runs: int, warmup: int = 5) -> float:
+def time_ms(fn: Callable, input_sets: list[list], runs: int, warmup: int = 5, grad: bool = False) -> float:
     """Median milliseconds of fn(*inputs), rotating the input sets; all calls queued, one sync at the end."""
-    with torch.no_grad():
+    with torch.enable_grad() if grad else torch.no_grad():
         for i in range(warmup):
             fn(*input_sets[i % len(input_sets)])
         torch.cuda.synchronize()
@@ -73,6 +84,34 @@ def time_ms(fn: Callable, input_sets: list[list], runs: int, warmup: int = 5) ->
             end.record()
         torch.cuda.synchronize()
     return statistics.median(start.elapsed_time(end) for start, end in events)
+
+
+def training_step(forward: Callable, params: list) -> Callable:
+    """One training step of `forward`: zero the gradients, backward of the output's sum, an SGD step (a tiny
+    learning rate, so that repeated steps leave the weights where they were)."""
+    optimizer = torch.optim.SGD([p for p in params if p is not None], lr=1e-7)
+
+    def step(*inputs):
+        optimizer.zero_grad(set_to_none=True)
+        forward(*inputs).sum().backward()
+        optimizer.step()
+
+    return step
+
+
+def bench_training(model_file, precision: str, dtype: torch.dtype, input_sets: list[list], runs: int) -> dict:
+    """A training-step row: forward + backward + optimizer step of every column, and of the GEMM alone."""
+    torch._dynamo.reset()
+    model, _ = model_file.build()
+    model = model.to(device="cuda", dtype=dtype).train()
+    linear = first_linear(model)
+    gemm_step = training_step(lambda x, *_: F.linear(x, linear.weight, linear.bias), [linear.weight, linear.bias])
+    row = {"model": model_file.name, "precision": f"{precision} train", "epilogue_us": float("nan"),
+           "floor_us": float("nan"), "gemm": time_ms(gemm_step, input_sets, runs, grad=True)}
+    for column in COLUMNS:
+        step = training_step(column.build(model, input_sets[0]), list(model.parameters()))
+        row[column.name] = time_ms(step, input_sets, runs, grad=True)
+    return row
 
 
 def copy_bandwidth_gbs(nbytes: int = 1 << 30, runs: int = 20) -> float:
@@ -131,19 +170,22 @@ def bench_file(path, runs: int, bandwidth: float) -> list[dict]:
         row["floor_us"] = epilogue_bytes(model, input_sets[0], out) / (bandwidth * 1e9) * 1e6
         rows.append(row)
         print(format_row(row), flush=True)
+        if precision in TRAINING_PRECISIONS:
+            rows.append(bench_training(model_file, precision, dtype, input_sets, runs))
+            print(format_row(rows[-1]), flush=True)
     torch.backends.cuda.matmul.allow_tf32 = False
     return rows
 
 
 def header() -> str:
-    cells = [f"{'model':<32}", f"{'prec':<5}", f"{'GEMM ms':>8}"]
+    cells = [f"{'model':<32}", f"{'prec':<10}", f"{'GEMM ms':>8}"]
     cells += [f"{c.name + ' ms (x GEMM)':>26}" for c in COLUMNS]
     cells += [f"{'epilogue us':>11}", f"{'floor us':>9}", f"{'% copy BW':>9}"]
     return " ".join(cells)
 
 
 def format_row(row: dict) -> str:
-    cells = [f"{row['model']:<32}", f"{row['precision']:<5}", f"{row['gemm']:>8.3f}"]
+    cells = [f"{row['model']:<32}", f"{row['precision']:<10}", f"{row['gemm']:>8.3f}"]
     cells += [f"{row[c.name]:>15.3f} ({row[c.name] / row['gemm']:6.3f}x)" for c in COLUMNS]
     share = row["floor_us"] / row["epilogue_us"] * 100 if row["epilogue_us"] else float("nan")
     cells += [f"{row['epilogue_us']:>11.1f}", f"{row['floor_us']:>9.1f}", f"{share:>8.0f}%"]
