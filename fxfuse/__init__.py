@@ -2,7 +2,8 @@
 into one op, ``torch.ops.fxfuse.gemm_epilogue``, backed by hand-written CUDA kernels.
 
 Entry points: ``optimize(model, example_inputs=None)``, ``explain(model, example_inputs=None)``,
-``torch.compile(model, backend="fxfuse")`` (or ``backend=make_backend(inner=...)``) and ``idiom`` (declare a spelled-out op of your own).
+``torch.compile(model, backend="fxfuse")`` (or ``backend=make_backend(inner=...)``; see docs/BACKEND.md) and
+``idiom`` (declare a spelled-out op of your own).
 """
 from . import library  # noqa: F401  (registers the torch.library ops)
 from .api import explain, optimize
