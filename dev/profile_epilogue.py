@@ -15,12 +15,18 @@ PROGRAMS = {
     "hardtanh": ("group_norm(%0,$0,$1,16,1e-05);clamp(%1,-2.0,2.0)", [(8192,)] * 2),
 }
 
-dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[sys.argv[1] if len(sys.argv) > 1 else "fp32"]
-assert fxfuse.kernels.load()
-x = torch.randn(1024, 8192, device="cuda", dtype=dtype)
-w = torch.randn(8192, 8192, device="cuda", dtype=dtype) * 8192 ** -0.5
-b = torch.randn(8192, device="cuda", dtype=dtype)
-for name, (program, shapes) in PROGRAMS.items():
-    params = [torch.randn(s, device="cuda", dtype=dtype) for s in shapes]
-    torch.ops.fxfuse.gemm_epilogue(x, w, b, params, program)
-torch.cuda.synchronize()
+
+def main():
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[sys.argv[1] if len(sys.argv) > 1 else "fp32"]
+    assert fxfuse.kernels.load()
+    x = torch.randn(1024, 8192, device="cuda", dtype=dtype)
+    w = torch.randn(8192, 8192, device="cuda", dtype=dtype) * 8192 ** -0.5
+    b = torch.randn(8192, device="cuda", dtype=dtype)
+    for program, shapes in PROGRAMS.values():
+        params = [torch.randn(s, device="cuda", dtype=dtype) for s in shapes]
+        torch.ops.fxfuse.gemm_epilogue(x, w, b, params, program)
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()

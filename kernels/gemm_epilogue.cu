@@ -540,13 +540,13 @@ struct RowLayout {
   int rows_per_block;
 };
 
-// Values per thread come in two sizes (interpreter.cuh: kShortRows): 8 while a row fits 1024 threads, else 32
+// Values per thread come in two sizes (interpreter.cuh: kShortRows): kShortRowValues while a row fits one block, else 32
 // (up to 512 threads, 256 for programs with slots). Each kernel instantiation costs compile time.
 std::optional<RowLayout> choose_row_layout(int64_t features, int vec, bool slots) {
   const int64_t vectors = (features + vec - 1) / vec;
-  const int short_chunks = 8 / vec, long_chunks = 32 / vec;
+  const int short_chunks = kShortRowValues / vec, long_chunks = 32 / vec;
   int threads = 32;
-  while (static_cast<int64_t>(threads) * short_chunks < vectors && threads < 1024) threads *= 2;
+  while (static_cast<int64_t>(threads) * short_chunks < vectors && threads < kShortRowMaxThreads) threads *= 2;
   if (static_cast<int64_t>(threads) * short_chunks >= vectors)
     return RowLayout{threads, short_chunks, std::max(1, 256 / threads)};
   threads = 32;

@@ -97,49 +97,49 @@ __device__ __noinline__ Chunk<VEC> apply_unary(Chunk<VEC> x, uint8_t op, Attrs a
   return x;
 }
 
-// One chunk of a binary op's second operand, wherever it lives.
-template <int CHUNKS, int VEC, int SLOTS, class Reader>
-__device__ __forceinline__ void fetch_other(const Instruction& ins, int c, const Values<CHUNKS, VEC>& cur,
-                                            const Values<CHUNKS, VEC> (&slots)[kSlotStorage<SLOTS>],
-                                            const Reader& reader, float (&other)[VEC]) {
-  switch (ins.other) {
-    case OTHER_SLOT0:
-      if constexpr (SLOTS > 0) {
+// A binary op against its second operand, wherever it lives; the op and the operand's kind are dispatched once
+// per instruction, outside the loops over the values.
+template <class F, int CHUNKS, int VEC>
+__device__ __forceinline__ void combine(Values<CHUNKS, VEC>& cur, const Values<CHUNKS, VEC>& other, bool reversed) {
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) other[j] = slots[0][c][j];
-      }
-      break;
-    case OTHER_SLOT1:
-      if constexpr (SLOTS > 1) {
+  for (int c = 0; c < CHUNKS; ++c)
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) other[j] = slots[1][c][j];
-      }
-      break;
-    case OTHER_PARAM:
-      reader.load(ins.param[0], c, other);
-      break;
-    case OTHER_SCALAR:
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) other[j] = ins.attrs.a0;
-      break;
-    default:  // OTHER_CURRENT
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) other[j] = cur[c][j];
-      break;
-  }
+    for (int j = 0; j < VEC; ++j) cur[c][j] = reversed ? F::apply(other[c][j], cur[c][j]) : F::apply(cur[c][j], other[c][j]);
 }
 
-template <int VEC>
-__device__ __forceinline__ void apply_binary(uint8_t op, bool reversed, float (&x)[VEC], const float (&other)[VEC]) {
-  switch (op) {
-#define FXFUSE_BINARY_CASE(name, F)                                                           \
-  case OP_##name:                                                                             \
-    _Pragma("unroll") for (int j = 0; j < VEC; ++j)                                           \
-        x[j] = reversed ? F::apply(other[j], x[j]) : F::apply(x[j], other[j]);                \
-    break;
-    FXFUSE_BINARY_OPS(FXFUSE_BINARY_CASE)
-#undef FXFUSE_BINARY_CASE
-    default:
+template <class F, int CHUNKS, int VEC, int SLOTS, class Reader>
+__device__ __forceinline__ void run_binary(const Instruction& ins, Values<CHUNKS, VEC>& cur,
+                                           Values<CHUNKS, VEC> (&slots)[kSlotStorage<SLOTS>], const Reader& reader) {
+  const bool reversed = ins.reversed;
+  switch (ins.other) {
+    case OTHER_SLOT0:
+      if constexpr (SLOTS > 0) combine<F>(cur, slots[0], reversed);
+      break;
+    case OTHER_SLOT1:
+      if constexpr (SLOTS > 1) combine<F>(cur, slots[1], reversed);
+      break;
+    case OTHER_PARAM:
+#pragma unroll
+      for (int c = 0; c < CHUNKS; ++c) {
+        float p[VEC];
+        reader.load(ins.param[0], c, p);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) cur[c][j] = reversed ? F::apply(p[j], cur[c][j]) : F::apply(cur[c][j], p[j]);
+      }
+      break;
+    case OTHER_SCALAR: {
+      const float s = ins.attrs.a0;
+#pragma unroll
+      for (int c = 0; c < CHUNKS; ++c)
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) cur[c][j] = reversed ? F::apply(s, cur[c][j]) : F::apply(cur[c][j], s);
+      break;
+    }
+    default:  // OTHER_CURRENT
+#pragma unroll
+      for (int c = 0; c < CHUNKS; ++c)
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) cur[c][j] = F::apply(cur[c][j], cur[c][j]);
       break;
   }
 }
@@ -172,26 +172,26 @@ __device__ __forceinline__ bool run_pointwise(const Instruction& ins, Values<CHU
       move_slot<CHUNKS, VEC, SLOTS>(ins, cur, slots);
       return true;
     FXFUSE_UNARY_OPS(FXFUSE_OPCODE_CASE) {
+      // one call for up to 16 values: the call costs about as much as a cheap op on a chunk
+      constexpr int kWidth = CHUNKS * VEC <= 16 ? CHUNKS * VEC : VEC;
+      float* flat = &cur[0][0];
 #pragma unroll
-      for (int c = 0; c < CHUNKS; ++c) {
-        Chunk<VEC> chunk;
+      for (int first = 0; first < CHUNKS * VEC; first += kWidth) {
+        Chunk<kWidth> chunk;
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) chunk.v[j] = cur[c][j];
-        chunk = apply_unary<VEC>(chunk, ins.op, ins.attrs);
+        for (int j = 0; j < kWidth; ++j) chunk.v[j] = flat[first + j];
+        chunk = apply_unary<kWidth>(chunk, ins.op, ins.attrs);
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) cur[c][j] = chunk.v[j];
+        for (int j = 0; j < kWidth; ++j) flat[first + j] = chunk.v[j];
       }
       return true;
     }
-    FXFUSE_BINARY_OPS(FXFUSE_OPCODE_CASE) {
-#pragma unroll
-      for (int c = 0; c < CHUNKS; ++c) {
-        float other[VEC];
-        fetch_other<CHUNKS, VEC, SLOTS>(ins, c, cur, slots, reader, other);
-        apply_binary<VEC>(ins.op, ins.reversed, cur[c], other);
-      }
-      return true;
-    }
+#define FXFUSE_BINARY_CASE(name, F)                             \
+  case OP_##name:                                               \
+    run_binary<F, CHUNKS, VEC, SLOTS>(ins, cur, slots, reader); \
+    return true;
+    FXFUSE_BINARY_OPS(FXFUSE_BINARY_CASE)
+#undef FXFUSE_BINARY_CASE
     default:
       return false;
   }
@@ -496,25 +496,19 @@ __device__ __forceinline__ void run_row_op(const Ctx& ctx, const Instruction& in
     break;
     FXFUSE_REDUCTION_OPS(FXFUSE_RESULT_CASE)
 #undef FXFUSE_RESULT_CASE
-    default: {
-#pragma unroll
-      for (int c = 0; c < CHUNKS; ++c) {
-        float w[VEC], b[VEC];
-        ctx.load_feature_param(ins.param[0], c, 1.0f, w);
-        ctx.load_feature_param(ins.param[1], c, 0.0f, b);
-        switch (ins.op) {
-#define FXFUSE_NORM_APPLY_CASE(name, F)                                                                 \
-  case OP_##name:                                                                                       \
-    _Pragma("unroll") for (int j = 0; j < VEC; ++j) cur[c][j] = F::apply(cur[c][j], s0[c], s1[c], w[j], b[j]); \
-    break;
-          FXFUSE_NORM_OPS(FXFUSE_NORM_APPLY_CASE)
+#define FXFUSE_NORM_APPLY_CASE(name, F)                                                         \
+  case OP_##name:                                                                               \
+    _Pragma("unroll") for (int c = 0; c < CHUNKS; ++c) {                                        \
+      float w[VEC], b[VEC];                                                                     \
+      ctx.load_feature_param(ins.param[0], c, 1.0f, w);                                         \
+      ctx.load_feature_param(ins.param[1], c, 0.0f, b);                                         \
+      _Pragma("unroll") for (int j = 0; j < VEC; ++j) cur[c][j] = F::apply(cur[c][j], s0[c], s1[c], w[j], b[j]); \
+    }                                                                                           \
+    return;
+    FXFUSE_NORM_OPS(FXFUSE_NORM_APPLY_CASE)
 #undef FXFUSE_NORM_APPLY_CASE
-          default:
-            break;
-        }
-      }
-      return;
-    }
+    default:
+      break;
   }
 #pragma unroll
   for (int c = 0; c < CHUNKS; ++c)
@@ -537,14 +531,14 @@ __device__ __forceinline__ void run_feature_affine(const Ctx& ctx, const Instruc
   }
 }
 
-// Values per thread: 8 for rows up to 8192 (blocks up to 1024 threads), 32 for longer rows (blocks up to 512, 256
-// with slots). 8 measured 2-4x faster than 32 at 8192 features on an H200: a 4x smaller unrolled body (the
-// instruction cache) and 4x the warps to hide latency.
+// Values per thread: kShortRowValues while a row fits one block, 32 for longer rows (blocks up to 512, 256 with
+// slots). At 8192 features on an H200, 8 values ran 1.2-2x faster than 32: a 4x smaller unrolled body (the
+// instruction cache) and more warps to hide latency (dev/NOTES.md).
 template <int BYTES, int CHUNKS>
-constexpr bool kShortRows = CHUNKS * (16 / BYTES) == 8;
+constexpr bool kShortRows = CHUNKS * (16 / BYTES) == kShortRowValues;
 
 template <int BYTES, int CHUNKS, int SLOTS>
-constexpr int kMaxBlock = kShortRows<BYTES, CHUNKS> ? 1024 : (SLOTS > 0 ? 256 : 512);
+constexpr int kMaxBlock = kShortRows<BYTES, CHUNKS> ? kShortRowMaxThreads : (SLOTS > 0 ? 256 : 512);
 
 // Block: (blockDim.x / TPR) rows of TPR threads.
 template <int BYTES, int CHUNKS, int SLOTS>
@@ -672,7 +666,7 @@ template <int BYTES, int SLOTS>
 void launch_row_program(const RowProgram& prog, const RowLaunch& launch, cudaStream_t stream) {
   const int64_t blocks = (prog.rows + launch.rows_per_block - 1) / launch.rows_per_block;
   const int threads = launch.rows_per_block * prog.threads_per_row;
-  constexpr int short_chunks = 8 * BYTES / 16, long_chunks = 32 * BYTES / 16;
+  constexpr int short_chunks = kShortRowValues * BYTES / 16, long_chunks = 32 * BYTES / 16;
   if (launch.chunks == short_chunks) {
     row_program_kernel<BYTES, short_chunks, SLOTS>
         <<<static_cast<unsigned>(blocks), threads, launch.shared_bytes, stream>>>(prog);

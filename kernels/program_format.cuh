@@ -14,6 +14,8 @@ constexpr int kMaxParams = 8;
 constexpr int kMaxSlots = 2;
 constexpr int kMaxTailOperands = 4;
 constexpr int kMaxTailDims = 4;
+constexpr int kShortRowValues = 8;         // fp32 values per thread for rows of up to kShortRowMaxThreads * 8
+constexpr int kShortRowMaxThreads = 1024;
 
 // ================================================================ instruction format
 

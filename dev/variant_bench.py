@@ -1,0 +1,49 @@
+"""Builds one kernel variant (a directory of .cu/.cuh files like kernels/) and times its epilogue kernels alone.
+
+Usage: python dev/variant_bench.py dev/variants/NN_name     (one variant per process: each registers the op)
+Prints, per example program and dtype at 1024 x 8192 -> 8192, the epilogue kernels' CUDA time per call
+(torch.profiler) and the share of the copy bandwidth it reaches.
+"""
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+from torch.utils import cpp_extension
+
+import fxfuse  # noqa: F401  (defines the ops)
+from fxfuse.bench import copy_bandwidth_gbs
+from fxfuse.kernels import NVCC_FLAGS, _arch_flags
+
+sys.path.insert(0, str(Path(__file__).parent))
+from profile_epilogue import PROGRAMS  # noqa: E402
+
+variant = Path(sys.argv[1])
+build_dir = Path("/tmp") / f"fxfuse-variant-{variant.name}"
+build_dir.mkdir(parents=True, exist_ok=True)
+start = time.perf_counter()
+cpp_extension.load(name=f"fxfuse_variant_{variant.name}", sources=[str(p) for p in sorted(variant.glob("*.cu"))],
+                   extra_cuda_cflags=NVCC_FLAGS + _arch_flags(), build_directory=str(build_dir),
+                   is_python_module=False)
+print(f"{variant.name}: built in {time.perf_counter() - start:.0f} s")
+bandwidth = copy_bandwidth_gbs()
+for dtype in (torch.float32, torch.bfloat16):
+    x = torch.randn(1024, 8192, device="cuda", dtype=dtype)
+    w = torch.randn(8192, 8192, device="cuda", dtype=dtype) * 8192 ** -0.5
+    b = torch.randn(8192, device="cuda", dtype=dtype)
+    for name, (program, shapes) in PROGRAMS.items():
+        params = [torch.randn(s, device="cuda", dtype=dtype) for s in shapes]
+        call = lambda: torch.ops.fxfuse.gemm_epilogue(x, w, b, params, program)
+        out = call()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(20):
+                call()
+            torch.cuda.synchronize()
+        us = sum(e.device_time_total for e in prof.key_averages()
+                 if "row_program" in e.key or "broadcast_tail" in e.key) / 20
+        nbytes = x.shape[0] * w.shape[0] * x.element_size() + out.numel() * out.element_size()
+        floor = nbytes / (bandwidth * 1e9) * 1e6
+        print(f"{variant.name:<12} {str(dtype)[6:]:<9} {name:<10} {us:7.1f} us  floor {floor:5.1f} us  "
+              f"{floor / us * 100:4.0f}% of copy bandwidth")
