@@ -49,6 +49,17 @@ def test_intermediate_used_by_the_graph_output_is_not_fused_past():
     assert_reason(optimized, "intermediate `mul` is also used by `output`")
 
 
+def test_two_branches_returned_separately_would_be_two_outputs():
+    model = GemmThen(lambda m, x, y: (lambda h: (torch.relu(h), torch.sigmoid(h)))(m.fc(x)))
+    assert_not_fused(model, (rows(),), reason="intermediate `relu` is also used by `output`")
+
+
+def test_branches_that_meet_again_fuse():
+    model = GemmThen(lambda m, x, y: (lambda h: torch.relu(h) + torch.sigmoid(h) * h.amax(-1, keepdim=True))(m.fc(x)))
+    optimized = assert_whole_chain_fused(model, (rows(),))
+    assert fused_programs(optimized) == ["relu(%0);sigmoid(%0);amax(%0,-1,True);mul(%2,%3);add(%1,%4)"]
+
+
 def test_idiom_whose_interior_is_used_elsewhere_is_not_that_op():
     """In `x * sigmoid(x)` with sigmoid(x) also returned, there is no silu: the sigmoid must stay visible."""
     model = GemmThen(lambda m, x, y: (lambda h, s: (h * s, s))(*(lambda h: (h, torch.sigmoid(h)))(m.fc(x))))
