@@ -1,0 +1,109 @@
+"""The torch.compile backend, dynamic batches and export on the GPU (``pytest -m cuda``), where the fused op runs
+the CUDA kernels: the CPU tests of test_backend.py, test_dynamic_shapes.py and test_export.py, in float32 and
+bfloat16. Skipped without a GPU (tests/conftest.py).
+
+Results are judged as tests/test_cuda_kernels.py judges the kernels: by the relative norm error against a
+float64 run of the same model, at most 1e-5 in float32; in bfloat16 at most 1e-2, or 1.5 times eager
+bfloat16's own error where eager itself misses that.
+"""
+import copy
+
+import pytest
+import torch
+
+import fxfuse
+from fxfuse.modelfile import example_files, load_model_file
+from fxfuse.testing import fused_op_count
+
+pytestmark = pytest.mark.cuda
+
+EXAMPLES = {path.stem: path for path in example_files()}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _relative_error(got, ref):
+    finite = torch.isfinite(ref)
+    norm = torch.linalg.vector_norm(ref[finite]).item()
+    return torch.linalg.vector_norm((got.double() - ref)[finite]).item() / max(norm, 1e-30)
+
+
+class Judge:
+    """Float64 and eager references of one model, for inputs of any batch."""
+
+    def __init__(self, model, dtype):
+        self.model, self.dtype = model, dtype
+        self.reference = copy.deepcopy(model).double()
+
+    def check(self, out, inputs, what=""):
+        with torch.no_grad():
+            ref = self.reference(*[t.double() for t in inputs])
+            eager = self.model(*inputs)
+        assert out.shape == eager.shape and out.dtype == eager.dtype
+        error = _relative_error(out, ref)
+        bound = 1e-5 if self.dtype == torch.float32 else max(1e-2, 1.5 * _relative_error(eager, ref))
+        assert error <= bound, f"{what}: relative error {error:.3g} > {bound:.3g}"
+
+
+def _example_on(name, dtype, device):
+    model, inputs = load_model_file(EXAMPLES[name], small=True).build()
+    return model.to(device, dtype), [t.to(device, dtype) for t in inputs]
+
+
+def _resized(inputs, batch):
+    return [torch.rand(batch, *t.shape[1:], device=t.device, dtype=t.dtype) for t in inputs]
+
+
+@pytest.mark.parametrize("precision", sorted(DTYPES))
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_backend_with_inductor(name, precision, device="cuda"):
+    model, inputs = _example_on(name, DTYPES[precision], device)
+    backend = fxfuse.make_backend()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    with torch.no_grad():
+        out = compiled(*inputs)
+    Judge(model, DTYPES[precision]).check(out, inputs, f"{name} {precision}")
+    assert [len(r.fused) for r in backend.reports] == [1]
+
+
+@pytest.mark.parametrize("dynamic", [True, "mark_dynamic"])
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_dynamic_batch_compiles_once(name, dynamic, device="cuda"):
+    model, inputs = _example_on(name, torch.float32, device)
+    judge = Judge(model, torch.float32)
+    backend = fxfuse.make_backend()
+    compiled = torch.compile(model, backend=backend, dynamic=True if dynamic is True else None)
+    graphs_after_first = None
+    with torch.no_grad():
+        for batch in (48, 96, 130):
+            batch_inputs = _resized(inputs, batch)
+            if dynamic == "mark_dynamic":
+                for t in batch_inputs:
+                    torch._dynamo.mark_dynamic(t, 0)
+            judge.check(compiled(*batch_inputs), batch_inputs, f"{name} batch {batch}")
+            graphs_after_first = graphs_after_first or len(backend.reports)
+    assert len(backend.reports) == graphs_after_first, "a new batch size recompiled"
+    assert all(len(r.fused) == 1 for r in backend.reports)
+
+
+@pytest.mark.parametrize("precision", sorted(DTYPES))
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_exported_optimized_model(name, precision, device="cuda"):
+    model, inputs = _example_on(name, DTYPES[precision], device)
+    optimized = fxfuse.optimize(model, inputs)
+    assert fused_op_count(optimized) == 1
+    batch = torch.export.Dim("batch", min=2, max=4096)
+    program = torch.export.export(optimized, tuple(inputs), dynamic_shapes=tuple({0: batch} for _ in inputs))
+    assert [n.target for n in program.graph.nodes if n.op == "call_function"] == \
+        [torch.ops.fxfuse.gemm_epilogue.default]
+    judge = Judge(model, DTYPES[precision])
+    with torch.no_grad():
+        for size in (inputs[0].shape[0], 100):
+            batch_inputs = _resized(inputs, size)
+            judge.check(program.module()(*batch_inputs), batch_inputs, f"{name} {precision} batch {size}")
