@@ -36,7 +36,7 @@ PRECISIONS = [  # (name, dtype, allow_tf32)
     ("tf32", torch.float32, True),
     ("bf16", torch.bfloat16, False),
 ]
-TRAINING_PRECISIONS = ("bf16",)  # training-step rows; each costs two more Inductor compiles of forward + backward
+TRAINING_PRECISIONS = ["bf16"]  # training-step rows; each costs two more Inductor compiles of forward + backward
 INPUT_SETS = 4          # x of 1024 x 8192 fp32 is 32 MB: four sets exceed the H100's 50 MB L2
 EPILOGUE_KERNELS = ("row_program_kernel", "broadcast_tail_kernel")
 
@@ -259,7 +259,11 @@ def main(argv=None) -> int:
     parser.add_argument("--runs", type=int, default=50, help="timed calls per measurement (default: 50)")
     parser.add_argument("--columns", default=",".join(c.name for c in COLUMNS),
                         help="comma-separated columns to time (default: all; fxfuse is always timed)")
+    parser.add_argument("--training", default=",".join(TRAINING_PRECISIONS),
+                        help="comma-separated precisions that get a training-step row, or 'none' "
+                             f"(default: {','.join(TRAINING_PRECISIONS)})")
     args = parser.parse_args(argv)
+    TRAINING_PRECISIONS[:] = [p for p in args.training.split(",") if p != "none"]
     wanted = set(args.columns.split(",")) | {"fxfuse"}
     COLUMNS[:] = [c for c in COLUMNS if c.name in wanted]
     if not torch.cuda.is_available():
