@@ -32,12 +32,25 @@ def _example_on(name, device, dtype=torch.float32):
     return model.to(device, dtype), [t.to(device, dtype) for t in inputs]
 
 
+class _CheckedCompile:
+    """torch.compile with the fxfuse backend (Inductor on the GPU) that checks, once called, what was fused."""
+
+    def __init__(self, model):
+        self.backend = fxfuse.make_backend()
+        self.compiled = torch.compile(model, backend=self.backend)
+
+    def __call__(self, *inputs):
+        out = self.compiled(*inputs)
+        assert self.backend.reports and all(len(r.fused) == 1 for r in self.backend.reports)
+        return out
+
+
 def _fused(model, inputs, how):
     if how == "optimize":
         optimized = fxfuse.optimize(model, inputs)
         assert fused_op_count(optimized) == 1
         return optimized
-    return torch.compile(model, backend="fxfuse")  # Inductor on the GPU
+    return _CheckedCompile(model)
 
 
 @pytest.mark.parametrize("how", ["optimize", "compile"])
