@@ -272,3 +272,14 @@ def test_backward_runs_under_a_dispatch_mode():
         grads.append([p.grad.clone() for p in model.parameters()])
     for (name, _), expected, actual in zip(model.named_parameters(), *grads):
         assert_close_report(actual, expected, what=f"gradient of {name}")
+
+
+def test_eval_mode_fusion_check_survives_torch_compile():
+    torch._dynamo.reset()
+    model = WithTrainModeOps().eval()
+    x = torch.randn(8, 16)
+    compiled = torch.compile(fxfuse.optimize(model, (x,)), backend=fxfuse.make_backend(inner="eager"))
+    assert_close_report(compiled(x), model(x))
+    model.train()  # the modules are shared: the optimized graph sees the change
+    with pytest.raises(RuntimeError, match="was in eval mode when it was fused"):
+        compiled(x)
