@@ -16,11 +16,11 @@
 // row (group_norm and batch_norm of a 2-D x only); at most 32 instructions, 8 param uses, 2 live extra values.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
@@ -211,7 +211,7 @@ enum class RowShape { Full, PerRowKeepdim, PerRow, Outside };
 struct Binding {
   std::vector<Instruction> row_code, tail_code;
   std::vector<RowParam> row_params;
-  std::vector<std::pair<at::Tensor, Shape>> tail_params;  // (param, shape its instruction broadcasts it to)
+  std::vector<at::Tensor> tail_params;  // the params the tail reads, in operand order (after the row result)
   Shape row_result_shape, output_shape;
   RowShape row_result_kind = RowShape::Full;
   int slots_used = 0;
@@ -445,7 +445,7 @@ std::string bind_phase(const Context& ctx, Binding& b, std::vector<Shape>& shape
         } else if (other->kind == Token::Param) {
           if (b.tail_params.size() + 1 == static_cast<size_t>(kMaxTailOperands))
             return "more than " + std::to_string(kMaxTailOperands - 1) + " params after a broadcast" + where;
-          b.tail_params.emplace_back(ctx.params[other->index], out_shape);
+          b.tail_params.push_back(ctx.params[other->index]);
           ins.param[0] = static_cast<int8_t>(b.tail_params.size());
         }
         break;
@@ -720,7 +720,7 @@ at::Tensor gemm_epilogue_cuda(const at::Tensor& x, const at::Tensor& weight, con
   if (binding.has_tail) {
     output = at::empty(binding.output_shape, y.options());
     std::vector<at::Tensor> operands{row_result.view(binding.row_result_shape).expand(binding.output_shape)};
-    for (const auto& [param, shape] : binding.tail_params) operands.push_back(param.expand(binding.output_shape));
+    for (const at::Tensor& param : binding.tail_params) operands.push_back(param.expand(binding.output_shape));
     while (operands.size() < static_cast<size_t>(kMaxTailOperands)) operands.push_back(operands[0]);
     if (!coalesce_tail(binding.output_shape, operands, tail))
       return run_fallback(x, weight, bias, params, program_text, "broadcast output too large or too many dims");

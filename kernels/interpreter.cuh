@@ -532,8 +532,8 @@ __device__ __forceinline__ void run_feature_affine(const Ctx& ctx, const Instruc
 }
 
 // Values per thread: kShortRowValues while a row fits one block, 32 for longer rows (blocks up to 512, 256 with
-// slots). At 8192 features on an H200, 8 values ran 1.2-2x faster than 32: a 4x smaller unrolled body (the
-// instruction cache) and more warps to hide latency (dev/NOTES.md).
+// slots). On an H100 at 8192 features, the examples' epilogues took 344 us in all with 16 values and 2 blocks per
+// SM, 374 us with 8 values (1024-thread blocks), 412 us with 32 (dev/NOTES.md).
 template <int BYTES, int CHUNKS>
 constexpr bool kShortRows = CHUNKS * (16 / BYTES) == kShortRowValues;
 
@@ -542,7 +542,7 @@ constexpr int kMaxBlock = kShortRows<BYTES, CHUNKS> ? kShortRowMaxThreads : (SLO
 
 // Block: (blockDim.x / TPR) rows of TPR threads.
 template <int BYTES, int CHUNKS, int SLOTS>
-__global__ void __launch_bounds__(kMaxBlock<BYTES, CHUNKS, SLOTS>)
+__global__ void __launch_bounds__(kMaxBlock<BYTES, CHUNKS, SLOTS>, kShortRows<BYTES, CHUNKS> ? kShortRowMinBlocks : 1)
 row_program_kernel(const __grid_constant__ RowProgram prog) {
   using Ctx = RowContext<BYTES, CHUNKS>;
   using Raw = typename Ctx::Raw;

@@ -14,8 +14,9 @@ constexpr int kMaxParams = 8;
 constexpr int kMaxSlots = 2;
 constexpr int kMaxTailOperands = 4;
 constexpr int kMaxTailDims = 4;
-constexpr int kShortRowValues = 8;         // fp32 values per thread for rows of up to kShortRowMaxThreads * 8
+constexpr int kShortRowValues = 8;         // values per thread while a row fits kShortRowMaxThreads threads
 constexpr int kShortRowMaxThreads = 1024;
+constexpr int kShortRowMinBlocks = 1;      // __launch_bounds__ minimum blocks per SM of the short-row kernels
 
 // ================================================================ instruction format
 

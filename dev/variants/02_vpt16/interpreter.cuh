@@ -542,7 +542,7 @@ constexpr int kMaxBlock = kShortRows<BYTES, CHUNKS> ? kShortRowMaxThreads : (SLO
 
 // Block: (blockDim.x / TPR) rows of TPR threads.
 template <int BYTES, int CHUNKS, int SLOTS>
-__global__ void __launch_bounds__(kMaxBlock<BYTES, CHUNKS, SLOTS>)
+__global__ void __launch_bounds__(kMaxBlock<BYTES, CHUNKS, SLOTS>, kShortRows<BYTES, CHUNKS> ? kShortRowMinBlocks : 1)
 row_program_kernel(const __grid_constant__ RowProgram prog) {
   using Ctx = RowContext<BYTES, CHUNKS>;
   using Raw = typename Ctx::Raw;

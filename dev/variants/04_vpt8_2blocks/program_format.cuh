@@ -1,0 +1,113 @@
+// The compiled form of a program, shared by the host binder (gemm_epilogue.cu) and the kernels
+// (interpreter.cuh): limits, opcodes, the instruction format, the kernels' by-value arguments, and the launchers.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "epilogue_ops.cuh"
+
+namespace fxfuse {
+
+constexpr int kMaxInstructions = 32;
+constexpr int kMaxParams = 8;
+constexpr int kMaxSlots = 2;
+constexpr int kMaxTailOperands = 4;
+constexpr int kMaxTailDims = 4;
+constexpr int kShortRowValues = 8;         // values per thread while a row fits kShortRowMaxThreads threads
+constexpr int kShortRowMaxThreads = 1024;
+constexpr int kShortRowMinBlocks = 2;      // __launch_bounds__ minimum blocks per SM of the short-row kernels
+
+// ================================================================ instruction format
+
+#define FXFUSE_OPCODE(name, Functor) OP_##name,
+enum Opcode : uint8_t {
+  OP_SAVE,  // copy the current value into slot `slot`
+  OP_LOAD,  // make slot `slot` the current value
+  FXFUSE_UNARY_OPS(FXFUSE_OPCODE) FXFUSE_BINARY_OPS(FXFUSE_OPCODE) FXFUSE_FEATURE_AFFINE_OPS(FXFUSE_OPCODE)
+  FXFUSE_NORM_OPS(FXFUSE_OPCODE) FXFUSE_REDUCTION_OPS(FXFUSE_OPCODE)
+  OP_COUNT
+};
+#undef FXFUSE_OPCODE
+
+// The second operand of a binary op (the first is always the current value).
+enum Other : uint8_t { OTHER_CURRENT, OTHER_SLOT0, OTHER_SLOT1, OTHER_PARAM, OTHER_SCALAR };
+
+// How a norm finds its groups (chosen by the host from the group size, VEC and TPR).
+enum GroupMode : uint8_t {
+  GROUP_ACROSS_LANES,  // whole chunks per group: combine chunks in-thread, then lanes_per_group lanes
+  GROUP_SHARED,        // any other size: the row staged in shared memory, one thread or warp per group
+};
+
+enum StorageKind : uint8_t { STORAGE_F32, STORAGE_BF16, STORAGE_F16 };
+
+struct Instruction {
+  uint8_t op;
+  uint8_t other;      // binary ops: where the second operand comes from
+  uint8_t reversed;   // binary ops: compute op(other, current)
+  uint8_t slot;       // OP_SAVE / OP_LOAD
+  int8_t param[4];    // params read: binary operand; norm weight, bias; batch_norm mean, var, weight, bias (-1: None)
+  uint8_t group_mode;
+  int32_t group_size;        // norms: features per group
+  int32_t chunks_per_group;  // GROUP_ACROSS_LANES: chunks of one thread in one group (>= CHUNKS: all)
+  int32_t lanes_per_group;   // GROUP_ACROSS_LANES: consecutive lanes sharing a group (power of 2, <= TPR)
+  Attrs attrs;               // op attributes; OTHER_SCALAR's value in a0; norms' eps in a0
+};
+
+// A param as the row phase reads it: element (row, feature) is at ptr[row * row_stride + feature * feature_stride].
+struct RowParam {
+  const void* ptr;
+  int64_t row_stride;
+  int64_t feature_stride;
+  bool vector_loads;  // feature_stride 1, 16-byte aligned rows: one 16-byte load per chunk
+};
+
+struct RowProgram {
+  Instruction code[kMaxInstructions];
+  RowParam params[kMaxParams];
+  const void* input;   // the GEMM output, [rows, features] contiguous
+  void* output;        // the same buffer, or [rows] when the program ends in a row reduction
+  int64_t rows;
+  int32_t features;
+  int32_t num_instructions;
+  int32_t threads_per_row;  // TPR, a power of 2 from 32
+  bool vector_io;           // features % VEC == 0: 16-byte loads and stores of the row
+  bool output_per_row;      // write one value per row
+  uint8_t storage;          // StorageKind of every tensor
+};
+
+// A tail operand: element i of the output reads ptr[sum_d coord_d(i) * strides[d]]. The host checks that
+// every offset and the output size fit in 31 bits: 32-bit division per dim instead of 64-bit (about 4x fewer
+// instructions).
+struct TailOperand {
+  const void* ptr;
+  uint32_t strides[kMaxTailDims];
+};
+
+struct TailProgram {
+  Instruction code[kMaxInstructions];
+  TailOperand operands[kMaxTailOperands];  // 0: the row phase's result; then the params the tail reads
+  void* output;                            // contiguous, sizes below
+  uint32_t sizes[kMaxTailDims];            // coalesced output dims, outermost first
+  uint32_t numel;
+  int32_t ndim;
+  int32_t num_instructions;
+  uint8_t storage;
+};
+
+// How the row kernel is launched: TPR threads per row, rows_per_block rows per block, CHUNKS chunks per thread.
+struct RowLaunch {
+  int chunks;
+  int rows_per_block;
+  int64_t shared_bytes;  // GROUP_SHARED rows
+};
+
+// One launcher per translation unit (row_program_*.cu, broadcast_tail.cu), so that ninja compiles them in
+// parallel; each launches on `stream` and checks the launch.
+void launch_row_program_fp32(const RowProgram& prog, const RowLaunch& launch, cudaStream_t stream);
+void launch_row_program_fp32_slots(const RowProgram& prog, const RowLaunch& launch, cudaStream_t stream);
+void launch_row_program_16bit(const RowProgram& prog, const RowLaunch& launch, cudaStream_t stream);
+void launch_row_program_16bit_slots(const RowProgram& prog, const RowLaunch& launch, cudaStream_t stream);
+void launch_broadcast_tail(const TailProgram& prog, int element_bytes, cudaStream_t stream);
+
+}  // namespace fxfuse

@@ -1,0 +1,287 @@
+// The device side of the epilogue vocabulary: one functor per op of fxfuse/epilogue.py, and the op tables.
+//
+// Adding an op: write its functor here, beside a comment naming its Python reference, and add one row to the
+// matching table at the end of this file. The interpreter (interpreter.cuh) and the host binder
+// (gemm_epilogue.cu) expand the tables; neither needs an edit.
+//
+// All arithmetic is fp32, whatever the storage dtype. Functors must propagate NaN exactly as the reference does
+// (fminf/fmaxf drop NaN, so clamps test for it).
+#pragma once
+
+#include <cuda_runtime.h>
+#include <math.h>
+
+namespace fxfuse {
+
+// Scalar attributes of one instruction, in the order of the reference's keyword-only parameters, encoded by
+// gemm_epilogue.cu::encode_attribute (numbers as float, None as NaN, True/False as 1/0, 'none'/'tanh' as 0/1).
+struct Attrs {
+  float a0, a1, a2;
+};
+
+__device__ __forceinline__ float sigmoid_of(float x) { return __fdividef(1.0f, 1.0f + expf(-x)); }
+
+// ================================================================ unary pointwise: y = F::apply(x, attrs)
+// num_attrs: how many attributes follow the operand in the program text.
+
+// fxfuse/epilogue.py::neg
+struct Neg {
+  static constexpr int num_attrs = 0;
+  __device__ static float apply(float x, const Attrs&) { return -x; }
+};
+
+// fxfuse/epilogue.py::relu (NaN stays NaN, as clamp_min does)
+struct Relu {
+  static constexpr int num_attrs = 0;
+  __device__ static float apply(float x, const Attrs&) { return x < 0.0f ? 0.0f : x; }
+};
+
+// fxfuse/epilogue.py::clamp (a0 = min, a1 = max; None is NaN, which fmaxf/fminf ignore)
+struct Clamp {
+  static constexpr int num_attrs = 2;
+  __device__ static float apply(float x, const Attrs& a) { return isnan(x) ? x : fminf(fmaxf(x, a.a0), a.a1); }
+};
+
+// fxfuse/epilogue.py::leaky_relu (a0 = negative_slope)
+struct LeakyRelu {
+  static constexpr int num_attrs = 1;
+  __device__ static float apply(float x, const Attrs& a) { return x > 0.0f ? x : x * a.a0; }
+};
+
+// fxfuse/epilogue.py::elu (a0 = alpha, a1 = scale, a2 = input_scale)
+struct Elu {
+  static constexpr int num_attrs = 3;
+  __device__ static float apply(float x, const Attrs& a) {
+    return x > 0.0f ? x * a.a1 : expm1f(x * a.a2) * a.a0 * a.a1;
+  }
+};
+
+// fxfuse/epilogue.py::gelu (a0 = approximate: 0 'none', 1 'tanh')
+struct Gelu {
+  static constexpr int num_attrs = 1;
+  __device__ static float apply(float x, const Attrs& a) {
+    if (a.a0 != 0.0f) {
+      const float inner = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+      return 0.5f * x * (1.0f + tanhf(inner));
+    }
+    return 0.5f * x * (1.0f + erff(x * 0.7071067811865476f));
+  }
+};
+
+// fxfuse/epilogue.py::silu
+struct Silu {
+  static constexpr int num_attrs = 0;
+  __device__ static float apply(float x, const Attrs&) { return __fdividef(x, 1.0f + expf(-x)); }
+};
+
+// fxfuse/epilogue.py::mish: x * tanh(log1p(e^x)) = x * n / (n + 2) with n = e^x (e^x + 2); one exp, one divide.
+struct Mish {
+  static constexpr int num_attrs = 0;
+  __device__ static float apply(float x, const Attrs&) {
+    if (x > 20.0f) return x;  // tanh(softplus(x)) rounds to 1 in fp32; also keeps n finite
+    const float e = expf(x);
+    const float n = e * (e + 2.0f);
+    return x * __fdividef(n, n + 2.0f);
+  }
+};
+
+// fxfuse/epilogue.py::sigmoid
+struct Sigmoid {
+  static constexpr int num_attrs = 0;
+  __device__ static float apply(float x, const Attrs&) { return sigmoid_of(x); }
+};
+
+// fxfuse/epilogue.py::tanh
+struct Tanh {
+  static constexpr int num_attrs = 0;
+  __device__ static float apply(float x, const Attrs&) { return tanhf(x); }
+};
+
+// fxfuse/epilogue.py::softplus (a0 = beta, a1 = threshold)
+struct Softplus {
+  static constexpr int num_attrs = 2;
+  __device__ static float apply(float x, const Attrs& a) {
+    const float scaled = x * a.a0;
+    return scaled > a.a1 ? x : log1pf(expf(scaled)) / a.a0;
+  }
+};
+
+// fxfuse/epilogue.py::hardswish
+struct Hardswish {
+  static constexpr int num_attrs = 0;
+  __device__ static float apply(float x, const Attrs&) {
+    return x * fminf(fmaxf(x + 3.0f, 0.0f), 6.0f) * (1.0f / 6.0f);
+  }
+};
+
+// fxfuse/epilogue.py::hardsigmoid
+struct Hardsigmoid {
+  static constexpr int num_attrs = 0;
+  __device__ static float apply(float x, const Attrs&) { return fminf(fmaxf(x + 3.0f, 0.0f), 6.0f) * (1.0f / 6.0f); }
+};
+
+// fxfuse/epilogue.py::exp
+struct Exp {
+  static constexpr int num_attrs = 0;
+  __device__ static float apply(float x, const Attrs&) { return expf(x); }
+};
+
+// fxfuse/epilogue.py::log
+struct Log {
+  static constexpr int num_attrs = 0;
+  __device__ static float apply(float x, const Attrs&) { return logf(x); }
+};
+
+// fxfuse/epilogue.py::abs
+struct Abs {
+  static constexpr int num_attrs = 0;
+  __device__ static float apply(float x, const Attrs&) { return fabsf(x); }
+};
+
+// fxfuse/epilogue.py::pow (a0 = exponent; the exponents eager special-cases take its exact formulas)
+struct Pow {
+  static constexpr int num_attrs = 1;
+  __device__ static float apply(float x, const Attrs& a) {
+    const float e = a.a0;
+    if (e == 2.0f) return x * x;
+    if (e == 3.0f) return x * x * x;
+    if (e == 0.5f) return sqrtf(x);
+    if (e == 1.0f) return x;
+    if (e == -1.0f) return 1.0f / x;
+    return powf(x, e);
+  }
+};
+
+// ================================================================ binary pointwise: y = F::apply(a, b)
+
+// fxfuse/epilogue.py::add
+struct Add {
+  __device__ static float apply(float a, float b) { return a + b; }
+};
+
+// fxfuse/epilogue.py::sub
+struct Sub {
+  __device__ static float apply(float a, float b) { return a - b; }
+};
+
+// fxfuse/epilogue.py::mul
+struct Mul {
+  __device__ static float apply(float a, float b) { return a * b; }
+};
+
+// fxfuse/epilogue.py::div
+struct Div {
+  __device__ static float apply(float a, float b) { return a / b; }
+};
+
+// ================================================================ per-feature affine of live statistics
+
+// fxfuse/epilogue.py::batch_norm (eval mode; a0 = eps)
+struct BatchNorm {
+  __device__ static float apply(float x, float mean, float var, float weight, float bias, const Attrs& a) {
+    return (x - mean) * rsqrtf(var + a.a0) * weight + bias;
+  }
+};
+
+// ================================================================ statistics over a row or a row group
+
+// What the interpreter computes over the group before calling a norm's apply or a reduction's result:
+// (s0, s1) per group.
+enum class Statistic {
+  MeanAndRstd,        // (mean, 1 / sqrt(biased variance + eps)), two-pass over the values held on chip
+  RootMeanSquare,     // (unused, 1 / sqrt(mean(x^2) + eps))
+  MaxAndLogSumExp,    // (m, log(sum(exp(x - m)))), m = the max, or 0 where the max is infinite (as logsumexp)
+  Sum,                // (sum, unused)
+  Max,                // (max, unused), NaN propagates
+  Min,                // (min, unused), NaN propagates
+};
+
+// How the host reads a norm's attributes (which become eps and the group count).
+enum class NormAttrs { GroupsEps, Eps, EpsOrDtypeEps, Dim };
+
+// ---------------------------------------------------------------- norms: y = F::apply(x, s0, s1, weight, bias)
+
+// fxfuse/epilogue.py::group_norm (weight, bias per feature; groups of contiguous features)
+struct GroupNorm {
+  static constexpr Statistic statistic = Statistic::MeanAndRstd;
+  static constexpr NormAttrs attrs = NormAttrs::GroupsEps;
+  __device__ static float apply(float x, float mean, float rstd, float w, float b) { return (x - mean) * rstd * w + b; }
+};
+
+// fxfuse/epilogue.py::layer_norm (over the last dim)
+struct LayerNorm {
+  static constexpr Statistic statistic = Statistic::MeanAndRstd;
+  static constexpr NormAttrs attrs = NormAttrs::Eps;
+  __device__ static float apply(float x, float mean, float rstd, float w, float b) { return (x - mean) * rstd * w + b; }
+};
+
+// fxfuse/epilogue.py::rms_norm (eps None means finfo(dtype).eps)
+struct RmsNorm {
+  static constexpr Statistic statistic = Statistic::RootMeanSquare;
+  static constexpr NormAttrs attrs = NormAttrs::EpsOrDtypeEps;
+  __device__ static float apply(float x, float, float rstd, float w, float) { return x * rstd * w; }
+};
+
+// fxfuse/epilogue.py::softmax
+struct Softmax {
+  static constexpr Statistic statistic = Statistic::MaxAndLogSumExp;
+  static constexpr NormAttrs attrs = NormAttrs::Dim;
+  __device__ static float apply(float x, float m, float log_sum, float, float) { return expf(x - m - log_sum); }
+};
+
+// fxfuse/epilogue.py::log_softmax
+struct LogSoftmax {
+  static constexpr Statistic statistic = Statistic::MaxAndLogSumExp;
+  static constexpr NormAttrs attrs = NormAttrs::Dim;
+  __device__ static float apply(float x, float m, float log_sum, float, float) { return x - m - log_sum; }
+};
+
+// ---------------------------------------------------------------- row reductions: y = F::result(s0, s1, count)
+
+// fxfuse/epilogue.py::sum
+struct Sum {
+  static constexpr Statistic statistic = Statistic::Sum;
+  __device__ static float result(float sum, float, int) { return sum; }
+};
+
+// fxfuse/epilogue.py::mean
+struct Mean {
+  static constexpr Statistic statistic = Statistic::Sum;
+  __device__ static float result(float sum, float, int count) { return sum / static_cast<float>(count); }
+};
+
+// fxfuse/epilogue.py::amax
+struct Amax {
+  static constexpr Statistic statistic = Statistic::Max;
+  __device__ static float result(float m, float, int) { return m; }
+};
+
+// fxfuse/epilogue.py::amin
+struct Amin {
+  static constexpr Statistic statistic = Statistic::Min;
+  __device__ static float result(float m, float, int) { return m; }
+};
+
+// fxfuse/epilogue.py::logsumexp
+struct Logsumexp {
+  static constexpr Statistic statistic = Statistic::MaxAndLogSumExp;
+  __device__ static float result(float m, float log_sum, int) { return m + log_sum; }
+};
+
+// ================================================================ the tables: X(python_name, Functor)
+
+#define FXFUSE_UNARY_OPS(X)                                                                                     \
+  X(neg, Neg) X(relu, Relu) X(clamp, Clamp) X(leaky_relu, LeakyRelu) X(elu, Elu) X(gelu, Gelu) X(silu, Silu) \
+  X(mish, Mish) X(sigmoid, Sigmoid) X(tanh, Tanh) X(softplus, Softplus) X(hardswish, Hardswish)              \
+  X(hardsigmoid, Hardsigmoid) X(exp, Exp) X(log, Log) X(abs, Abs) X(pow, Pow)
+
+#define FXFUSE_BINARY_OPS(X) X(add, Add) X(sub, Sub) X(mul, Mul) X(div, Div)
+
+#define FXFUSE_FEATURE_AFFINE_OPS(X) X(batch_norm, BatchNorm)
+
+#define FXFUSE_NORM_OPS(X) \
+  X(group_norm, GroupNorm) X(layer_norm, LayerNorm) X(rms_norm, RmsNorm) X(softmax, Softmax) X(log_softmax, LogSoftmax)
+
+#define FXFUSE_REDUCTION_OPS(X) X(sum, Sum) X(mean, Mean) X(amax, Amax) X(amin, Amin) X(logsumexp, Logsumexp)
+
+}  // namespace fxfuse
