@@ -43,6 +43,10 @@ class Region:
     program: Program
 
 
+class Boundary(str):
+    """A reason a node is not admitted that is a natural end of the region, not a near miss (another GEMM)."""
+
+
 @dataclass
 class NearMiss:
     anchor: fx.Node
@@ -168,6 +172,7 @@ class _Growth:
             known = self.facts.is_tensor(operand)
             if known is False:
                 return f"operand {describe(operand)} is not a tensor"
+            # Without example inputs, a graph input (with no default) or a module's result is taken as a tensor.
             if known is None and operand.op not in ("placeholder", "call_module"):
                 return f"cannot prove that {describe(operand)} is a tensor without example inputs"
         tensor = self.facts.tensor(operand)
@@ -231,7 +236,7 @@ class _Growth:
         if c.problem:
             return c.problem
         if c.op == LINEAR:
-            return f"{describe(node)} is another GEMM"
+            return Boundary(f"{describe(node)} is another GEMM")
         mutated = self.facts.resolve(c.inplace_of)
         if mutated is not None and mutated not in self.member_set:
             return f"in-place {describe(node)} mutates {describe(mutated)}, which is outside the region"
@@ -374,7 +379,7 @@ def find_region(gm: fx.GraphModule, anchor: fx.Node, canon, facts: Facts):
         elif first_cut_reason is None and best is not None:
             first_cut_reason = _escape_reason(growth, best[1])
     misses = [NearMiss(anchor, node, reason) for node, reason in rejected.items()
-              if node.op != "output" and (best is None or node not in best_members(growth, best))]
+              if node.op != "output" and not isinstance(reason, Boundary) and (best is None or node not in best_members(growth, best))]
     if best is None:
         if len(growth.members) > 1:  # ops were admitted, but no prefix of them has a single output
             misses.insert(0, NearMiss(anchor, anchor, _escape_reason(growth, None)))
