@@ -13,7 +13,9 @@
 // Limits (anything else runs the reference through fxfuse::gemm_epilogue_fallback, with the reason logged):
 // fp32 / bf16 / fp16, every tensor of one dtype, contiguous x, weight, bias, on one CUDA device; M >= 1;
 // N <= 16384 (8192 for programs that keep values for later); norms and reductions over the last dim of a full
-// row (group_norm and batch_norm of a 2-D x only); at most 32 instructions, 8 param uses, 2 live extra values.
+// row (group_norm and batch_norm of a 2-D x only); group sizes off the lanes' power-of-2 grid need N <= 12288
+// (a row in 48 KB of shared memory); at most 16 instructions, 8 param uses, 2 live extra values; a broadcast
+// tail of pointwise ops only, reading the row phase's last value, at most 3 params, 4 merged dims, 2^31 outputs.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/cuda/CUDAGuard.h>
