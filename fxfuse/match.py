@@ -313,6 +313,23 @@ class _Growth:
                 return f"{c.op} over dim {dim}, which is never the features of a GEMM output (the last dim)"
         return None
 
+    # -- prefixes: every admission can be undone, and the best valid prefix is kept
+
+    def snapshot(self) -> tuple[int, int, int]:
+        return len(self.members), len(self.instructions), len(self.params)
+
+    def restore(self, snapshot: tuple[int, int, int]) -> None:
+        n_members, n_instructions, n_params = snapshot
+        for member in self.members[n_members:]:
+            self.member_set.discard(member)
+            self.value.pop(member, None)
+        del self.members[n_members:]
+        del self.instructions[n_instructions:]
+        del self.params[n_params:]
+        for index in [i for i in self.rank if i > n_instructions]:
+            del self.rank[index]
+            self.reduced.discard(index)
+
     # -- validity of the current prefix
 
     def escaping(self) -> list[tuple[fx.Node, fx.Node]]:
@@ -360,11 +377,11 @@ def find_region(gm: fx.GraphModule, anchor: fx.Node, canon, facts: Facts):
             node = covering.operands[0]
         if node in growth.member_set or node in rejected:
             continue
-        snapshot = growth_snapshot(growth)
+        snapshot = growth.snapshot()
         problem = growth.admit(node)
         if problem:
             rejected[node] = problem
-            restore(growth, snapshot)
+            growth.restore(snapshot)
             logger.debug("anchor %s: %s not admitted: %s", anchor.name, node.name, problem)
             continue
         logger.debug("anchor %s: admitted %s", anchor.name, node.name)
@@ -374,15 +391,16 @@ def find_region(gm: fx.GraphModule, anchor: fx.Node, canon, facts: Facts):
                     heapq.heappush(heap, (facts.position[user], user))
         output = growth.output_if_valid()
         if output is not None:
-            best = (growth_snapshot(growth), output)
+            best = (growth.snapshot(), output)
             first_cut_reason = None
         elif first_cut_reason is None and best is not None:
-            first_cut_reason = _escape_reason(growth, best[1])
+            first_cut_reason = _escape_reason(growth)
+    kept = set(growth.members[:best[0][0]]) if best else set()
     misses = [NearMiss(anchor, node, reason) for node, reason in rejected.items()
-              if node.op != "output" and not isinstance(reason, Boundary) and (best is None or node not in best_members(growth, best))]
+              if node.op != "output" and not isinstance(reason, Boundary) and node not in kept]
     if best is None:
         if len(growth.members) > 1:  # ops were admitted, but no prefix of them has a single output
-            misses.insert(0, NearMiss(anchor, anchor, _escape_reason(growth, None)))
+            misses.insert(0, NearMiss(anchor, anchor, _escape_reason(growth)))
         if not misses:
             misses = [NearMiss(anchor, anchor, "no epilogue op follows the GEMM")]
         return None, _keep_relevant(misses, growth)
@@ -410,32 +428,11 @@ def _keep_relevant(misses, growth, region=None):
     return [m for m in misses if m.node is m.anchor or fed_by_region(m.node)]
 
 
-def best_members(growth, best):
-    return set(growth.members[:best[0][0]])
-
-
-def _escape_reason(growth: _Growth, output: fx.Node) -> str:
+def _escape_reason(growth: _Growth) -> str:
     for member, user in growth.escaping():
         if member is not growth.members[-1]:
             return f"intermediate {describe(member)} is also used by {describe(user)}"
     return "the region would have more than one output"
-
-
-def growth_snapshot(growth: _Growth):
-    return len(growth.members), len(growth.instructions), len(growth.params)
-
-
-def restore(growth: _Growth, snapshot):
-    n_members, n_instructions, n_params = snapshot
-    for member in growth.members[n_members:]:
-        growth.member_set.discard(member)
-        growth.value.pop(member, None)
-    del growth.members[n_members:]
-    del growth.instructions[n_instructions:]
-    del growth.params[n_params:]
-    for index in [i for i in growth.rank if i > n_instructions]:
-        del growth.rank[index]
-        growth.reduced.discard(index)
 
 
 # ---------------------------------------------------------------- legality proof
