@@ -1,5 +1,5 @@
 """Picks the variant with the lowest total epilogue time in variant_bench.py's output and copies its
-program_format.cuh (the variants differ only there) into kernels/.
+program_format.cuh (where the layout choices live) into kernels/.
 
 Usage: python dev/pick_variant.py variants.log
 """
@@ -7,6 +7,8 @@ import shutil
 import sys
 from collections import defaultdict
 from pathlib import Path
+
+from variant_sources import materialize
 
 totals = defaultdict(float)
 for line in Path(sys.argv[1]).read_text().splitlines():
@@ -16,5 +18,6 @@ for line in Path(sys.argv[1]).read_text().splitlines():
 for name, total in sorted(totals.items(), key=lambda item: item[1]):
     print(f"{name:<20} {total:8.1f} us over the examples")
 winner = min(totals, key=totals.get)
-shutil.copy(Path(__file__).parent / "variants" / winner / "program_format.cuh", Path("kernels/program_format.cuh"))
+winner_sources = materialize(Path(__file__).parent / "variants" / f"{winner}.patch")
+shutil.copy(winner_sources / "program_format.cuh", Path("kernels/program_format.cuh"))
 print(f"kernels/program_format.cuh <- {winner}")

@@ -1,6 +1,6 @@
-"""Builds one kernel variant (a directory of .cu/.cuh files like kernels/) and times its epilogue kernels alone.
+"""Builds one kernel variant (a patch against kernels/) and times its epilogue kernels alone.
 
-Usage: python dev/variant_bench.py dev/variants/NN_name     (one variant per process: each registers the op)
+Usage: python dev/variant_bench.py dev/variants/NN_name.patch  (one variant per process: each registers the op)
 Prints, per example program and dtype at 1024 x 8192 -> 8192, the epilogue kernels' CUDA time per call
 (torch.profiler) and the share of the copy bandwidth it reaches.
 """
@@ -18,15 +18,17 @@ from fxfuse.kernels import NVCC_FLAGS, _arch_flags
 
 sys.path.insert(0, str(Path(__file__).parent))
 from profile_epilogue import PROGRAMS  # noqa: E402
+from variant_sources import materialize  # noqa: E402
 
-variant = Path(sys.argv[1])
-build_dir = Path("/tmp") / f"fxfuse-variant-{variant.name}"
+patch = Path(sys.argv[1])
+variant = materialize(patch)
+build_dir = variant.parent / "build"
 build_dir.mkdir(parents=True, exist_ok=True)
 start = time.perf_counter()
-cpp_extension.load(name=f"fxfuse_variant_{variant.name}", sources=[str(p) for p in sorted(variant.glob("*.cu"))],
+cpp_extension.load(name=f"fxfuse_variant_{patch.stem}", sources=[str(p) for p in sorted(variant.glob("*.cu"))],
                    extra_cuda_cflags=NVCC_FLAGS + _arch_flags(), build_directory=str(build_dir),
                    is_python_module=False)
-print(f"{variant.name}: built in {time.perf_counter() - start:.0f} s")
+print(f"{patch.stem}: built in {time.perf_counter() - start:.0f} s")
 bandwidth = copy_bandwidth_gbs()
 for dtype in (torch.float32, torch.bfloat16):
     x = torch.randn(1024, 8192, device="cuda", dtype=dtype)
@@ -45,5 +47,5 @@ for dtype in (torch.float32, torch.bfloat16):
                  if "row_program" in e.key or "broadcast_tail" in e.key) / 20
         nbytes = x.shape[0] * w.shape[0] * x.element_size() + out.numel() * out.element_size()
         floor = nbytes / (bandwidth * 1e9) * 1e6
-        print(f"{variant.name:<12} {str(dtype)[6:]:<9} {name:<10} {us:7.1f} us  floor {floor:5.1f} us  "
+        print(f"{patch.stem:<12} {str(dtype)[6:]:<9} {name:<10} {us:7.1f} us  floor {floor:5.1f} us  "
               f"{floor / us * 100:4.0f}% of copy bandwidth")
