@@ -1,4 +1,5 @@
-"""Shared pytest set-up: the `cuda` marker skips without a GPU, and every test starts from the same seed."""
+"""Shared pytest set-up: the `cuda` marker skips without a GPU, every test starts from the same seed, and
+`fresh_dynamo` (used by the torch.compile tests) resets Dynamo around a test."""
 import pytest
 import torch
 
@@ -15,3 +16,10 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def fixed_seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

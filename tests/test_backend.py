@@ -17,15 +17,10 @@ from fxfuse.backend import FxfuseBackend, fxfuse_backend
 from fxfuse.modelfile import example_files, load_model_file
 from fxfuse.testing import assert_close_report, assert_gradients_match
 
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
 gemm_epilogue = torch.ops.fxfuse.gemm_epilogue.default
 EXAMPLES = {path.stem: path for path in example_files()}
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 class GraphRecorder:

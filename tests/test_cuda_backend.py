@@ -15,17 +15,10 @@ import fxfuse
 from fxfuse.modelfile import example_files, load_model_file
 from fxfuse.testing import fused_op_count
 
-pytestmark = pytest.mark.cuda
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("fresh_dynamo")]
 
 EXAMPLES = {path.stem: path for path in example_files()}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def _relative_error(got, ref):

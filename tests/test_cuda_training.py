@@ -15,16 +15,9 @@ import fxfuse
 from fxfuse.modelfile import example_files, load_model_file
 from fxfuse.testing import assert_close_report, assert_gradients_match, fused_op_count, gradients
 
-pytestmark = pytest.mark.cuda
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("fresh_dynamo")]
 
 EXAMPLES = {path.stem: path for path in example_files()}
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def _example_on(name, device, dtype=torch.float32):

@@ -11,15 +11,10 @@ import fxfuse.rewrite
 from fxfuse.modelfile import example_files, load_model_file
 from fxfuse.testing import assert_close_report, fused_op_count
 
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
 EXAMPLES = {path.stem: path for path in example_files()}
 BATCHES = (3, 5, 9, 17, 2)
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 class CountingInner:
