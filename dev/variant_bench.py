@@ -1,6 +1,7 @@
 """Builds one kernel variant (a patch against kernels/) and times its epilogue kernels alone.
 
 Usage: python dev/variant_bench.py dev/variants/NN_name.patch  (one variant per process: each registers the op)
+       python dev/variant_bench.py current                   (kernels/ as it is)
 Prints, per example program and dtype at 1024 x 8192 -> 8192, the epilogue kernels' CUDA time per call
 (torch.profiler) and the share of the copy bandwidth it reaches.
 """
@@ -18,11 +19,11 @@ from fxfuse.kernels import NVCC_FLAGS, _arch_flags
 
 sys.path.insert(0, str(Path(__file__).parent))
 from profile_epilogue import PROGRAMS  # noqa: E402
-from variant_sources import materialize  # noqa: E402
+from variant_sources import KERNELS, materialize  # noqa: E402
 
 patch = Path(sys.argv[1])
-variant = materialize(patch)
-build_dir = variant.parent / "build"
+variant = KERNELS if sys.argv[1] == "current" else materialize(patch)
+build_dir = Path("/tmp") / f"fxfuse-variant-{patch.stem}" / "build"
 build_dir.mkdir(parents=True, exist_ok=True)
 start = time.perf_counter()
 cpp_extension.load(name=f"fxfuse_variant_{patch.stem}", sources=[str(p) for p in sorted(variant.glob("*.cu"))],

@@ -1,11 +1,10 @@
-// The broadcast tail kernels, for every element size.
+// The broadcast tail kernels, for every storage type.
 #include "interpreter.cuh"
 
 namespace fxfuse {
 
-void launch_broadcast_tail(const TailProgram& prog, int element_bytes, cudaStream_t stream) {
-  if (element_bytes == 4) launch_broadcast_tail<4>(prog, stream);
-  else launch_broadcast_tail<2>(prog, stream);
-}
+template void launch_broadcast_tail<Fp32Storage>(const TailProgram&, cudaStream_t);
+template void launch_broadcast_tail<Bf16Storage>(const TailProgram&, cudaStream_t);
+template void launch_broadcast_tail<Fp16Storage>(const TailProgram&, cudaStream_t);
 
 }  // namespace fxfuse

@@ -538,23 +538,16 @@ std::string bind(const Context& ctx, Binding& b) {
 
 struct RowLayout {
   int threads_per_row;
-  int chunks;
   int rows_per_block;
 };
 
-// Values per thread come in two sizes (interpreter.cuh: kShortRows): kShortRowValues while a row fits one block, else 32
-// (up to 512 threads, 256 for programs with slots). Each kernel instantiation costs compile time.
-std::optional<RowLayout> choose_row_layout(int64_t features, int vec, bool slots) {
-  const int64_t vectors = (features + vec - 1) / vec;
-  const int short_chunks = kShortRowValues / vec, long_chunks = 32 / vec;
+// The fewest threads (a power of 2, from a warp) that hold a row at kRowValues values each; short rows share
+// 256-thread blocks.
+std::optional<RowLayout> choose_row_layout(int64_t features) {
   int threads = 32;
-  while (static_cast<int64_t>(threads) * short_chunks < vectors && threads < kShortRowMaxThreads) threads *= 2;
-  if (static_cast<int64_t>(threads) * short_chunks >= vectors)
-    return RowLayout{threads, short_chunks, std::max(1, 256 / threads)};
-  threads = 32;
-  while (static_cast<int64_t>(threads) * long_chunks < vectors) threads *= 2;
-  if (threads > (slots ? 256 : 512)) return std::nullopt;
-  return RowLayout{threads, long_chunks, 1};
+  while (static_cast<int64_t>(threads) * kRowValues < features && threads < kMaxRowThreads) threads *= 2;
+  if (static_cast<int64_t>(threads) * kRowValues < features) return std::nullopt;
+  return RowLayout{threads, std::max(1, 256 / threads)};
 }
 
 // Fills the group fields of the norms and reductions now that the layout is known; returns the dynamic shared
@@ -619,12 +612,17 @@ bool coalesce_tail(const Shape& out_shape, const std::vector<at::Tensor>& operan
   }
   if (numel >= (int64_t{1} << 31)) return false;
   tail.numel = static_cast<uint32_t>(numel);
+  const int64_t vec = 16 / operands[0].element_size();
   for (size_t k = 0; k < operands.size(); ++k) {
     int64_t last_offset = 0;
-    tail.operands[k].ptr = operands[k].data_ptr();
+    TailOperand& operand = tail.operands[k];
+    operand.ptr = operands[k].data_ptr();
+    operand.vector_loads = reinterpret_cast<uintptr_t>(operand.ptr) % 16 == 0 && dims.back().size % vec == 0;
     for (size_t d = 0; d < dims.size(); ++d) {
-      tail.operands[k].strides[d] = static_cast<uint32_t>(dims[d].strides[k]);
+      operand.strides[d] = static_cast<uint32_t>(dims[d].strides[k]);
       last_offset += (dims[d].size - 1) * dims[d].strides[k];
+      const bool innermost = d + 1 == dims.size();
+      operand.vector_loads = operand.vector_loads && (innermost ? dims[d].strides[k] == 1 : dims[d].strides[k] % vec == 0);
     }
     if (last_offset >= (int64_t{1} << 31)) return false;
   }
@@ -665,6 +663,18 @@ std::string check_inputs(const at::Tensor& x, const at::Tensor& weight, const st
   return "";
 }
 
+// The row kernel (with or without slots) and the broadcast tail, where the program has them.
+template <class Storage>
+void launch(const Binding& binding, const RowProgram& row, const std::optional<RowLayout>& layout,
+            int64_t shared_bytes, const TailProgram& tail, cudaStream_t stream) {
+  if (!binding.row_code.empty()) {
+    const RowLaunch row_launch{layout->rows_per_block, shared_bytes};
+    if (binding.slots_used > 0) launch_row_program<Storage, kMaxSlots>(row, row_launch, stream);
+    else launch_row_program<Storage, 0>(row, row_launch, stream);
+  }
+  if (binding.has_tail) launch_broadcast_tail<Storage>(tail, stream);
+}
+
 at::Tensor gemm_epilogue_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                               at::TensorList params, c10::string_view program_text) {
   std::string reason = check_inputs(x, weight, bias, params);
@@ -681,8 +691,6 @@ at::Tensor gemm_epilogue_cuda(const at::Tensor& x, const at::Tensor& weight, con
   ctx.full = ctx.lead;
   ctx.full.push_back(features);
   const int64_t rows = x.numel() / in_features;
-  const uint8_t storage = x.scalar_type() == at::kFloat ? STORAGE_F32
-                          : x.scalar_type() == at::kBFloat16 ? STORAGE_BF16 : STORAGE_F16;
 
   Binding binding;
   reason = bind(ctx, binding);
@@ -691,7 +699,7 @@ at::Tensor gemm_epilogue_cuda(const at::Tensor& x, const at::Tensor& weight, con
   std::optional<RowLayout> layout;
   int64_t shared_bytes = 0;
   if (!binding.row_code.empty()) {
-    layout = choose_row_layout(features, vec, binding.slots_used > 0);
+    layout = choose_row_layout(features);
     if (!layout) return run_fallback(x, weight, bias, params, program_text, "rows too long for registers");
     shared_bytes = place_groups(binding.row_code, *layout, vec, features);
     if (shared_bytes < 0) return run_fallback(x, weight, bias, params, program_text, "group layout needs > 48 KB");
@@ -713,8 +721,8 @@ at::Tensor gemm_epilogue_cuda(const at::Tensor& x, const at::Tensor& weight, con
     row.rows = rows;
     row.features = static_cast<int32_t>(features);
     row.threads_per_row = layout->threads_per_row;
+    row.group_shared_floats = static_cast<int32_t>(shared_bytes / sizeof(float));
     row.vector_io = features % vec == 0;
-    row.storage = storage;
   }
 
   at::Tensor output;
@@ -729,24 +737,14 @@ at::Tensor gemm_epilogue_cuda(const at::Tensor& x, const at::Tensor& weight, con
     std::copy(binding.tail_code.begin(), binding.tail_code.end(), tail.code);
     tail.num_instructions = static_cast<int32_t>(binding.tail_code.size());
     tail.output = output.data_ptr();
-    tail.storage = storage;
   } else {
     output = row_result.view(binding.output_shape);
   }
 
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  if (!binding.row_code.empty()) {
-    const RowLaunch launch{layout->chunks, layout->rows_per_block, shared_bytes};
-    const bool slots = binding.slots_used > 0;
-    if (x.element_size() == 4) {
-      if (slots) launch_row_program_fp32_slots(row, launch, stream);
-      else launch_row_program_fp32(row, launch, stream);
-    } else {
-      if (slots) launch_row_program_16bit_slots(row, launch, stream);
-      else launch_row_program_16bit(row, launch, stream);
-    }
-  }
-  if (binding.has_tail) launch_broadcast_tail(tail, static_cast<int>(x.element_size()), stream);
+  if (x.scalar_type() == at::kFloat) launch<Fp32Storage>(binding, row, layout, shared_bytes, tail, stream);
+  else if (x.scalar_type() == at::kBFloat16) launch<Bf16Storage>(binding, row, layout, shared_bytes, tail, stream);
+  else launch<Fp16Storage>(binding, row, layout, shared_bytes, tail, stream);
   return output;
 }
 

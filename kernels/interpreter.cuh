@@ -3,6 +3,8 @@
 //
 //   row_program_kernel  one group of threads per row of the GEMM output; reads the row once into registers
 //                       (fp32), runs the row phase of the program, writes the row (or one value per row) once.
+//                       The grid is persistent: each block walks rows, and the next row is copied into shared
+//                       memory (cp.async) while the current one computes.
 //   broadcast_tail_kernel  the pointwise instructions after a broadcast that outgrows the row (the min + bias
 //                       example's (1, N, M, 1) output): one pass over the output, operands read by strides.
 //
@@ -24,45 +26,75 @@ namespace fxfuse {
 
 // ================================================================ storage <-> fp32
 
-// Kernels are compiled per element size; bf16 and fp16 share the 2-byte kernels and differ only here, in a
-// block-uniform branch (halves the compile time of the 16-bit kernels).
-template <int BYTES>
-struct Storage;
-
-template <>
-struct Storage<4> {
+// One storage type per kernel (declared in program_format.cuh): its raw element, and the conversions of a 16-byte
+// vector of VEC elements to and from fp32. 16-bit vectors are split into 32-bit words with shifts and masks, so the
+// load or store stays one 16-byte access.
+struct Fp32Storage {
   using Raw = float;
-  __device__ static float to_float(Raw v, uint8_t) { return v; }
-  __device__ static Raw from_float(float v, uint8_t) { return v; }
-};
-
-template <>
-struct Storage<2> {
-  using Raw = unsigned short;
-  __device__ static float to_float(Raw v, uint8_t kind) {
-    return kind == STORAGE_BF16 ? __uint_as_float(static_cast<unsigned>(v) << 16) : __half2float(__ushort_as_half(v));
+  static constexpr int VEC = 4;
+  __device__ static float to_float(Raw v) { return v; }
+  __device__ static Raw from_float(float v) { return v; }
+  __device__ static void unpack(const uint4& raw, float (&dst)[VEC]) {
+    dst[0] = __uint_as_float(raw.x), dst[1] = __uint_as_float(raw.y);
+    dst[2] = __uint_as_float(raw.z), dst[3] = __uint_as_float(raw.w);
   }
-  __device__ static Raw from_float(float v, uint8_t kind) {
-    return kind == STORAGE_BF16 ? __bfloat16_as_ushort(__float2bfloat16_rn(v)) : __half_as_ushort(__float2half_rn(v));
+  __device__ static uint4 pack(const float (&src)[VEC]) {
+    return {__float_as_uint(src[0]), __float_as_uint(src[1]), __float_as_uint(src[2]), __float_as_uint(src[3])};
   }
 };
 
-template <int BYTES, int VEC>
-__device__ __forceinline__ void load_vector(const typename Storage<BYTES>::Raw* p, uint8_t kind, float (&dst)[VEC]) {
-  static_assert(VEC * BYTES == 16, "one 16-byte access");
-  const uint4 raw = *reinterpret_cast<const uint4*>(p);
-  const auto* items = reinterpret_cast<const typename Storage<BYTES>::Raw*>(&raw);
+// Shared by bf16 and fp16: a word holds elements 2k (low half) and 2k + 1.
+template <class Half>
+struct HalfWords {
+  static constexpr int VEC = 8;
+  __device__ static void unpack(const uint4& raw, float (&dst)[VEC]) {
+    const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
-  for (int j = 0; j < VEC; ++j) dst[j] = Storage<BYTES>::to_float(items[j], kind);
+    for (int k = 0; k < 4; ++k) {
+      dst[2 * k] = Half::low_to_float(words[k]);
+      dst[2 * k + 1] = Half::high_to_float(words[k]);
+    }
+  }
+  __device__ static uint4 pack(const float (&src)[VEC]) {
+    return {Half::pair(src[0], src[1]), Half::pair(src[2], src[3]), Half::pair(src[4], src[5]),
+            Half::pair(src[6], src[7])};
+  }
+};
+
+struct Bf16Storage : HalfWords<Bf16Storage> {
+  using Raw = unsigned short;
+  __device__ static float to_float(Raw v) { return __uint_as_float(static_cast<unsigned>(v) << 16); }
+  __device__ static Raw from_float(float v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
+  __device__ static float low_to_float(unsigned word) { return __uint_as_float(word << 16); }
+  __device__ static float high_to_float(unsigned word) { return __uint_as_float(word & 0xffff0000u); }
+  __device__ static unsigned pair(float low, float high) {
+    unsigned word;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(word) : "f"(high), "f"(low));
+    return word;
+  }
+};
+
+struct Fp16Storage : HalfWords<Fp16Storage> {
+  using Raw = unsigned short;
+  __device__ static float to_float(Raw v) { return __half2float(__ushort_as_half(v)); }
+  __device__ static Raw from_float(float v) { return __half_as_ushort(__float2half_rn(v)); }
+  __device__ static float low_to_float(unsigned word) { return to_float(static_cast<Raw>(word & 0xffffu)); }
+  __device__ static float high_to_float(unsigned word) { return to_float(static_cast<Raw>(word >> 16)); }
+  __device__ static unsigned pair(float low, float high) {
+    unsigned word;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(word) : "f"(high), "f"(low));
+    return word;
+  }
+};
+
+template <class S>
+__device__ __forceinline__ void load_vector(const typename S::Raw* p, float (&dst)[S::VEC]) {
+  S::unpack(*reinterpret_cast<const uint4*>(p), dst);
 }
 
-template <int BYTES, int VEC>
-__device__ __forceinline__ void store_vector(typename Storage<BYTES>::Raw* p, uint8_t kind, const float (&src)[VEC]) {
-  uint4 raw;
-  auto* items = reinterpret_cast<typename Storage<BYTES>::Raw*>(&raw);
-#pragma unroll
-  for (int j = 0; j < VEC; ++j) items[j] = Storage<BYTES>::from_float(src[j], kind);
-  *reinterpret_cast<uint4*>(p) = raw;
+template <class S>
+__device__ __forceinline__ void store_vector(typename S::Raw* p, const float (&src)[S::VEC]) {
+  *reinterpret_cast<uint4*>(p) = S::pack(src);
 }
 
 // ================================================================ pointwise instructions (row and tail)
@@ -80,10 +112,10 @@ struct Chunk {
   float v[VEC];
 };
 
-// Every unary op on one chunk, called once per chunk: one copy of the unary functors per chunk width instead of
-// one per element of every kernel (the fully inlined interpreter took 7.5 min to compile for one arch).
+// Every unary op on up to 16 values, inlined: the out-of-line version (one copy per width, called per chunk) ran
+// 5-12% slower on an H200 (dev/NOTES.md, variant 07).
 template <int VEC>
-__device__ __noinline__ Chunk<VEC> apply_unary(Chunk<VEC> x, uint8_t op, Attrs attrs) {
+__device__ __forceinline__ Chunk<VEC> apply_unary(Chunk<VEC> x, uint8_t op, Attrs attrs) {
   switch (op) {
 #define FXFUSE_UNARY_CASE(name, F)                                                       \
   case OP_##name:                                                                        \
@@ -172,7 +204,7 @@ __device__ __forceinline__ bool run_pointwise(const Instruction& ins, Values<CHU
       move_slot<CHUNKS, VEC, SLOTS>(ins, cur, slots);
       return true;
     FXFUSE_UNARY_OPS(FXFUSE_OPCODE_CASE) {
-      // one call for up to 16 values: the call costs about as much as a cheap op on a chunk
+      // one dispatch of the op for up to 16 values
       constexpr int kWidth = CHUNKS * VEC <= 16 ? CHUNKS * VEC : VEC;
       float* flat = &cur[0][0];
 #pragma unroll
@@ -201,18 +233,25 @@ __device__ __forceinline__ bool run_pointwise(const Instruction& ins, Values<CHU
 
 // ================================================================ reductions over groups of a row
 
+// A reducer combines two partials; apply is symmetric to the bit, so that both lanes of a butterfly step end with
+// the same bits (deterministic for any group size).
 struct SumOp {
+  using Value = float;
   __device__ static float identity() { return 0.0f; }
   __device__ static float apply(float a, float b) { return a + b; }
 };
 struct MaxOp {
+  using Value = float;
   __device__ static float identity() { return -INFINITY; }
   __device__ static float apply(float a, float b) { return (a > b || isnan(a)) ? a : b; }
 };
 struct MinOp {
+  using Value = float;
   __device__ static float identity() { return INFINITY; }
   __device__ static float apply(float a, float b) { return (a < b || isnan(a)) ? a : b; }
 };
+
+__device__ __forceinline__ float shuffle_xor(float v, int offset) { return __shfl_xor_sync(0xffffffffu, v, offset); }
 
 // Where a row's threads meet: 32 warps per block at most, one partial per chunk each.
 template <int CHUNKS>
@@ -221,15 +260,16 @@ struct CrossWarp {
 };
 
 // Combines v[k] over lanes_per_group consecutive lanes (a power of 2): xor butterflies within a warp, then a
-// fixed-order sum over the group's warps through shared memory. Every lane of a group ends with the same bits
-// (each butterfly step adds the same two numbers in both lanes): deterministic.
+// fixed-order fold over the group's warps through shared memory. Every lane of a group ends with the same bits.
 template <class R, int K, int CHUNKS>
-__device__ __forceinline__ void lanes_allreduce(float (&v)[K], int lanes_per_group, CrossWarp<CHUNKS>& cross_warp) {
+__device__ __forceinline__ void lanes_allreduce(typename R::Value (&v)[K], int lanes_per_group,
+                                                CrossWarp<CHUNKS>& cross_warp) {
   static_assert(K <= CHUNKS, "one cross-warp column per value");
+  using Value = typename R::Value;
   const int warp_span = lanes_per_group < 32 ? lanes_per_group : 32;
   for (int offset = 1; offset < warp_span; offset <<= 1)
 #pragma unroll
-    for (int k = 0; k < K; ++k) v[k] = R::apply(v[k], __shfl_xor_sync(0xffffffffu, v[k], offset));
+    for (int k = 0; k < K; ++k) v[k] = R::apply(v[k], shuffle_xor(v[k], offset));
   if (lanes_per_group > 32) {
     const int warp = threadIdx.x / 32;
     const int warps_per_group = lanes_per_group / 32;
@@ -240,7 +280,7 @@ __device__ __forceinline__ void lanes_allreduce(float (&v)[K], int lanes_per_gro
     const int first = warp / warps_per_group * warps_per_group;
 #pragma unroll
     for (int k = 0; k < K; ++k) {
-      float total = cross_warp.partial[first][k];
+      Value total = cross_warp.partial[first][k];
       for (int w = 1; w < warps_per_group; ++w) total = R::apply(total, cross_warp.partial[first + w][k]);
       v[k] = total;
     }
@@ -250,10 +290,11 @@ __device__ __forceinline__ void lanes_allreduce(float (&v)[K], int lanes_per_gro
 
 // part[c] holds this thread's partial of chunk c; on return it holds the total of chunk c's group.
 template <class R, int CHUNKS>
-__device__ __forceinline__ void group_allreduce(float (&part)[CHUNKS], int chunks_per_group, int lanes_per_group,
-                                                CrossWarp<CHUNKS>& cross_warp) {
+__device__ __forceinline__ void group_allreduce(typename R::Value (&part)[CHUNKS], int chunks_per_group,
+                                                int lanes_per_group, CrossWarp<CHUNKS>& cross_warp) {
+  using Value = typename R::Value;
   if (chunks_per_group >= CHUNKS) {  // all of this thread's chunks in one group (whole-row statistics)
-    float total[1] = {part[0]};
+    Value total[1] = {part[0]};
 #pragma unroll
     for (int c = 1; c < CHUNKS; ++c) total[0] = R::apply(total[0], part[c]);
     lanes_allreduce<R>(total, lanes_per_group, cross_warp);
@@ -262,7 +303,7 @@ __device__ __forceinline__ void group_allreduce(float (&part)[CHUNKS], int chunk
     return;
   }
   if (chunks_per_group > 1) {
-    float combined[CHUNKS];
+    Value combined[CHUNKS];
 #pragma unroll
     for (int c = 0; c < CHUNKS; ++c) {
       combined[c] = R::identity();
@@ -278,17 +319,18 @@ __device__ __forceinline__ void group_allreduce(float (&part)[CHUNKS], int chunk
 
 // ================================================================ the row kernel
 
-template <int BYTES, int CHUNKS>
+template <class S, int CHUNKS>
 struct RowContext {
-  static constexpr int VEC = 16 / BYTES;
-  using Raw = typename Storage<BYTES>::Raw;
+  static constexpr int VEC = S::VEC;
+  using Raw = typename S::Raw;
   const RowProgram& prog;
   int64_t row;  // clamped to the last row for the idle rows of the last block, which compute and never store
   int lane;     // thread index within the row
 
   __device__ int element(int c, int j) const { return (c * prog.threads_per_row + lane) * VEC + j; }
+  // Valid elements of chunk c: VEC or 0 on the vector path (features % VEC == 0), anything between otherwise.
+  __device__ int chunk_count(int c) const { return min(max(prog.features - element(c, 0), 0), VEC); }
   __device__ bool valid(int c, int j) const { return element(c, j) < prog.features; }
-  __device__ float to_float(Raw v) const { return Storage<BYTES>::to_float(v, prog.storage); }
 
   // The param reader of the row phase.
   __device__ void load(int param, int c, float (&dst)[VEC]) const {
@@ -297,7 +339,7 @@ struct RowContext {
     const int first = element(c, 0);
     if (p.vector_loads) {
       if (first < prog.features) {
-        load_vector<BYTES, VEC>(base + first, prog.storage, dst);
+        load_vector<S>(base + first, dst);
       } else {
 #pragma unroll
         for (int j = 0; j < VEC; ++j) dst[j] = 0.0f;
@@ -305,7 +347,7 @@ struct RowContext {
     } else {
 #pragma unroll
       for (int j = 0; j < VEC; ++j)
-        dst[j] = first + j < prog.features ? to_float(base[(first + j) * p.feature_stride]) : 0.0f;
+        dst[j] = first + j < prog.features ? S::to_float(base[(first + j) * p.feature_stride]) : 0.0f;
     }
   }
 
@@ -319,29 +361,34 @@ struct RowContext {
   }
 };
 
-// Sums f(chunk, value) over each chunk's valid elements.
-template <typename Ctx, int CHUNKS, int VEC, class F>
-__device__ __forceinline__ void chunk_sums(const Ctx& ctx, const Values<CHUNKS, VEC>& cur, float (&part)[CHUNKS], F f) {
+// Folds f(chunk, value) over each chunk's valid elements with R; the mask is tested once per chunk where the
+// whole chunk is valid (always, on the vector path).
+template <class R, typename Ctx, int CHUNKS, int VEC, class F>
+__device__ __forceinline__ void chunk_fold(const Ctx& ctx, const Values<CHUNKS, VEC>& cur, float (&part)[CHUNKS], F f) {
 #pragma unroll
   for (int c = 0; c < CHUNKS; ++c) {
-    float s = 0.0f;
+    const int count = ctx.chunk_count(c);
+    float acc = R::identity();
+    if (count == VEC) {
 #pragma unroll
-    for (int j = 0; j < VEC; ++j)
-      if (ctx.valid(c, j)) s += f(c, cur[c][j]);
-    part[c] = s;
+      for (int j = 0; j < VEC; ++j) acc = R::apply(acc, f(c, cur[c][j]));
+    } else {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j)
+        if (j < count) acc = R::apply(acc, f(c, cur[c][j]));
+    }
+    part[c] = acc;
   }
+}
+
+template <typename Ctx, int CHUNKS, int VEC, class F>
+__device__ __forceinline__ void chunk_sums(const Ctx& ctx, const Values<CHUNKS, VEC>& cur, float (&part)[CHUNKS], F f) {
+  chunk_fold<SumOp>(ctx, cur, part, f);
 }
 
 template <class R, typename Ctx, int CHUNKS, int VEC>
 __device__ __forceinline__ void chunk_extrema(const Ctx& ctx, const Values<CHUNKS, VEC>& cur, float (&part)[CHUNKS]) {
-#pragma unroll
-  for (int c = 0; c < CHUNKS; ++c) {
-    float m = R::identity();
-#pragma unroll
-    for (int j = 0; j < VEC; ++j)
-      if (ctx.valid(c, j)) m = R::apply(m, cur[c][j]);
-    part[c] = m;
-  }
+  chunk_fold<R>(ctx, cur, part, [](int, float v) { return v; });
 }
 
 // Normalizes each group of group_size elements of the row in place, for group layouts the lanes cannot take:
@@ -531,80 +578,112 @@ __device__ __forceinline__ void run_feature_affine(const Ctx& ctx, const Instruc
   }
 }
 
-// Values per thread: kShortRowValues while a row fits one block, 32 for longer rows (blocks up to 512, 256 with
-// slots). On an H100 at 8192 features, the examples' epilogues took 344 us in all with 16 values and 2 blocks per
-// SM, 374 us with 8 values (1024-thread blocks), 412 us with 32 (dev/NOTES.md).
-template <int BYTES, int CHUNKS>
-constexpr bool kShortRows = CHUNKS * (16 / BYTES) == kShortRowValues;
+// ---------------------------------------------------------------- staging the next row in shared memory
 
-template <int BYTES, int CHUNKS, int SLOTS>
-constexpr int kMaxBlock = kShortRows<BYTES, CHUNKS> ? kShortRowMaxThreads : (SLOTS > 0 ? 256 : 512);
+// A 16-byte copy from global to shared memory that completes in the background (cp.async, sm_80 and later).
+__device__ __forceinline__ void copy_async_16(void* shared, const void* global) {
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(shared));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(address), "l"(global));
+}
+__device__ __forceinline__ void commit_async_copies() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void wait_async_copies() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
-// Block: (blockDim.x / TPR) rows of TPR threads.
-template <int BYTES, int CHUNKS, int SLOTS>
-__global__ void __launch_bounds__(kMaxBlock<BYTES, CHUNKS, SLOTS>, kShortRows<BYTES, CHUNKS> ? kShortRowMinBlocks : 1)
-row_program_kernel(const __grid_constant__ RowProgram prog) {
-  using Ctx = RowContext<BYTES, CHUNKS>;
-  using Raw = typename Ctx::Raw;
-  constexpr int VEC = Ctx::VEC;
-  __shared__ CrossWarp<CHUNKS> cross_warp;
-  extern __shared__ float shared_rows[];
-
-  const int tpr = prog.threads_per_row;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / tpr) + threadIdx.x / tpr;
-  const Ctx ctx{prog, row < prog.rows ? row : prog.rows - 1, static_cast<int>(threadIdx.x % tpr)};
-
-  float cur[CHUNKS][VEC];
-  float slots[kSlotStorage<SLOTS>][CHUNKS][VEC];
-  const Raw* in = static_cast<const Raw*>(prog.input) + ctx.row * prog.features;
+// Starts copying this thread's chunks of `row` into its own staging slots (slot c of thread t at
+// c * blockDim.x + t: a warp's 16-byte accesses are contiguous). Only the thread that copies a slot reads it,
+// so waiting for its own copies is all the synchronization the staging needs.
+template <class S, int CHUNKS>
+__device__ __forceinline__ void stage_row(const RowProgram& prog, int64_t row, int lane, uint4* staging) {
+  constexpr int VEC = S::VEC;
+  const auto* in = static_cast<const typename S::Raw*>(prog.input) + row * prog.features;
 #pragma unroll
   for (int c = 0; c < CHUNKS; ++c) {
-    const int first = ctx.element(c, 0);
-    if (prog.vector_io) {
-      if (first < prog.features) load_vector<BYTES, VEC>(in + first, prog.storage, cur[c]);
-      else
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) cur[c][j] = 0.0f;
-    } else {
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) cur[c][j] = first + j < prog.features ? ctx.to_float(in[first + j]) : 0.0f;
-    }
+    const int first = (c * prog.threads_per_row + lane) * VEC;
+    if (first < prog.features) copy_async_16(&staging[c * blockDim.x + threadIdx.x], in + first);
   }
+  commit_async_copies();
+}
 
-  for (int pc = 0; pc < prog.num_instructions; ++pc) {
-    const Instruction& ins = prog.code[pc];
-    if (run_pointwise<CHUNKS, VEC, SLOTS>(ins, cur, slots, ctx)) continue;
-    switch (ins.op) {
+// Block: (blockDim.x / TPR) rows of TPR threads, kRowValues values per thread. The grid is persistent (as many
+// blocks as fit on the GPU at once); each block takes every gridDim.x-th group of rows, and on the vector path
+// the next group's row is copied into shared memory while the current one computes.
+template <class S, int SLOTS>
+__global__ void __launch_bounds__(kMaxRowThreads, 1) row_program_kernel(const __grid_constant__ RowProgram prog) {
+  constexpr int VEC = S::VEC;
+  constexpr int CHUNKS = kRowValues / VEC;
+  using Ctx = RowContext<S, CHUNKS>;
+  using Raw = typename Ctx::Raw;
+  __shared__ CrossWarp<CHUNKS> cross_warp;
+  extern __shared__ __align__(16) float shared_rows[];  // the GROUP_SHARED rows, then the staging slots
+  uint4* staging = reinterpret_cast<uint4*>(shared_rows + prog.group_shared_floats);
+
+  const int tpr = prog.threads_per_row;
+  const int lane = threadIdx.x % tpr;
+  const int rows_per_block = blockDim.x / tpr;
+  const int64_t row_groups = (prog.rows + rows_per_block - 1) / rows_per_block;
+  const auto clamped_row = [&](int64_t group) {
+    const int64_t row = group * rows_per_block + threadIdx.x / tpr;
+    return row < prog.rows ? row : prog.rows - 1;
+  };
+
+  if (prog.vector_io && blockIdx.x < row_groups) stage_row<S, CHUNKS>(prog, clamped_row(blockIdx.x), lane, staging);
+
+  for (int64_t group = blockIdx.x; group < row_groups; group += gridDim.x) {
+    const int64_t row = group * rows_per_block + threadIdx.x / tpr;
+    const Ctx ctx{prog, clamped_row(group), lane};
+    float cur[CHUNKS][VEC];
+    float slots[kSlotStorage<SLOTS>][CHUNKS][VEC];
+    if (prog.vector_io) {
+      wait_async_copies();
+#pragma unroll
+      for (int c = 0; c < CHUNKS; ++c) {
+        if (ctx.chunk_count(c) > 0) S::unpack(staging[c * blockDim.x + threadIdx.x], cur[c]);
+        else
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) cur[c][j] = 0.0f;
+      }
+      if (group + gridDim.x < row_groups) stage_row<S, CHUNKS>(prog, clamped_row(group + gridDim.x), lane, staging);
+    } else {
+      const Raw* in = static_cast<const Raw*>(prog.input) + ctx.row * prog.features;
+#pragma unroll
+      for (int c = 0; c < CHUNKS; ++c)
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) cur[c][j] = ctx.valid(c, j) ? S::to_float(in[ctx.element(c, j)]) : 0.0f;
+    }
+
+    for (int pc = 0; pc < prog.num_instructions; ++pc) {
+      const Instruction& ins = prog.code[pc];
+      if (run_pointwise<CHUNKS, VEC, SLOTS>(ins, cur, slots, ctx)) continue;
+      switch (ins.op) {
 #define FXFUSE_AFFINE_CASE(name, F)       \
   case OP_##name:                         \
     run_feature_affine<F>(ctx, ins, cur); \
     break;
-      FXFUSE_FEATURE_AFFINE_OPS(FXFUSE_AFFINE_CASE)
+        FXFUSE_FEATURE_AFFINE_OPS(FXFUSE_AFFINE_CASE)
 #undef FXFUSE_AFFINE_CASE
-    FXFUSE_NORM_OPS(FXFUSE_OPCODE_CASE)
-    FXFUSE_REDUCTION_OPS(FXFUSE_OPCODE_CASE)
-      run_row_op(ctx, ins, cur, cross_warp, shared_rows);
-      break;
-      default:
+        FXFUSE_NORM_OPS(FXFUSE_OPCODE_CASE)
+        FXFUSE_REDUCTION_OPS(FXFUSE_OPCODE_CASE)
+        run_row_op(ctx, ins, cur, cross_warp, shared_rows);
         break;
+        default:
+          break;
+      }
     }
-  }
 
-  if (row >= prog.rows) return;
-  if (prog.output_per_row) {
-    if (ctx.lane == 0) static_cast<Raw*>(prog.output)[row] = Storage<BYTES>::from_float(cur[0][0], prog.storage);
-    return;
-  }
-  Raw* out = static_cast<Raw*>(prog.output) + row * prog.features;
+    if (row >= prog.rows) continue;
+    if (prog.output_per_row) {
+      if (lane == 0) static_cast<Raw*>(prog.output)[row] = S::from_float(cur[0][0]);
+      continue;
+    }
+    Raw* out = static_cast<Raw*>(prog.output) + row * prog.features;
 #pragma unroll
-  for (int c = 0; c < CHUNKS; ++c) {
-    const int first = ctx.element(c, 0);
-    if (prog.vector_io) {
-      if (first < prog.features) store_vector<BYTES, VEC>(out + first, prog.storage, cur[c]);
-    } else {
+    for (int c = 0; c < CHUNKS; ++c) {
+      if (prog.vector_io) {
+        if (ctx.chunk_count(c) > 0) store_vector<S>(out + ctx.element(c, 0), cur[c]);
+      } else {
 #pragma unroll
-      for (int j = 0; j < VEC; ++j)
-        if (first + j < prog.features) out[first + j] = Storage<BYTES>::from_float(cur[c][j], prog.storage);
+        for (int j = 0; j < VEC; ++j)
+          if (ctx.valid(c, j)) out[ctx.element(c, j)] = S::from_float(cur[c][j]);
+      }
     }
   }
 }
@@ -612,10 +691,12 @@ row_program_kernel(const __grid_constant__ RowProgram prog) {
 // ================================================================ the broadcast tail kernel
 
 // Each thread evaluates ELEMS consecutive outputs (ELEMS = VEC when the innermost dim is a multiple of it, so
-// they never wrap a dim; else 1).
-template <int BYTES, int ELEMS>
+// they never wrap a dim; else 1). An operand is read with one 16-byte load where it is contiguous along them, with
+// one load where it is broadcast along them (stride 0), else element by element.
+template <class S, int ELEMS>
 struct TailReader {
-  using Raw = typename Storage<BYTES>::Raw;
+  using Raw = typename S::Raw;
+  static constexpr int VEC = S::VEC;
   const TailProgram& prog;
   uint32_t offset[kMaxTailOperands];
   __device__ void load(int operand, int, float (&dst)[ELEMS]) const {
@@ -623,20 +704,32 @@ struct TailReader {
 #pragma unroll
     for (int k = 1; k < kMaxTailOperands; ++k)
       if (operand == k) base = offset[k];  // compile-time indices keep offset[] in registers
-    const Raw* p = static_cast<const Raw*>(prog.operands[operand].ptr) + base;
-    const uint32_t inner = prog.operands[operand].strides[prog.ndim - 1];
+    const TailOperand& source = prog.operands[operand];
+    const Raw* p = static_cast<const Raw*>(source.ptr) + base;
+    const uint32_t inner = source.strides[prog.ndim - 1];
+    if constexpr (ELEMS == VEC) {
+      if (source.vector_loads) {
+        load_vector<S>(p, dst);
+        return;
+      }
+    }
+    if (inner == 0) {
+      const float value = S::to_float(p[0]);
 #pragma unroll
-    for (int j = 0; j < ELEMS; ++j) dst[j] = Storage<BYTES>::to_float(p[j * inner], prog.storage);
+      for (int j = 0; j < ELEMS; ++j) dst[j] = value;
+      return;
+    }
+#pragma unroll
+    for (int j = 0; j < ELEMS; ++j) dst[j] = S::to_float(p[j * inner]);
   }
 };
 
-template <int BYTES, int ELEMS>
+template <class S, int ELEMS>
 __global__ void __launch_bounds__(256) broadcast_tail_kernel(const __grid_constant__ TailProgram prog) {
-  using Raw = typename Storage<BYTES>::Raw;
-  constexpr int VEC = 16 / BYTES;
+  using Raw = typename S::Raw;
   const uint32_t step = gridDim.x * blockDim.x * ELEMS;
   for (uint32_t first = (blockIdx.x * blockDim.x + threadIdx.x) * ELEMS; first < prog.numel; first += step) {
-    TailReader<BYTES, ELEMS> reader{prog, {}};
+    TailReader<S, ELEMS> reader{prog, {}};
     uint32_t rest = first;
     for (int d = prog.ndim - 1; d >= 0; --d) {
       const uint32_t coord = rest % prog.sizes[d];
@@ -650,36 +743,40 @@ __global__ void __launch_bounds__(256) broadcast_tail_kernel(const __grid_consta
     for (int pc = 0; pc < prog.num_instructions; ++pc)
       run_pointwise<1, ELEMS, kMaxSlots>(prog.code[pc], cur, slots, reader);
     Raw* out = static_cast<Raw*>(prog.output) + first;
-    if constexpr (ELEMS == VEC) {
-      store_vector<BYTES, VEC>(out, prog.storage, cur[0]);
+    if constexpr (ELEMS == S::VEC) {
+      store_vector<S>(out, cur[0]);
     } else {
-      out[0] = Storage<BYTES>::from_float(cur[0][0], prog.storage);
+      out[0] = S::from_float(cur[0][0]);
     }
   }
 }
 
 #undef FXFUSE_OPCODE_CASE
 
-// ================================================================ launchers (instantiated one per .cu)
+// ================================================================ launchers (declared in program_format.cuh,
+// instantiated in the .cu files)
 
-template <int BYTES, int SLOTS>
+template <class S, int SLOTS>
 void launch_row_program(const RowProgram& prog, const RowLaunch& launch, cudaStream_t stream) {
-  const int64_t blocks = (prog.rows + launch.rows_per_block - 1) / launch.rows_per_block;
+  const auto kernel = row_program_kernel<S, SLOTS>;
   const int threads = launch.rows_per_block * prog.threads_per_row;
-  constexpr int short_chunks = kShortRowValues * BYTES / 16, long_chunks = 32 * BYTES / 16;
-  if (launch.chunks == short_chunks) {
-    row_program_kernel<BYTES, short_chunks, SLOTS>
-        <<<static_cast<unsigned>(blocks), threads, launch.shared_bytes, stream>>>(prog);
-  } else {
-    row_program_kernel<BYTES, long_chunks, SLOTS>
-        <<<static_cast<unsigned>(blocks), threads, launch.shared_bytes, stream>>>(prog);
-  }
+  const int64_t row_groups = (prog.rows + launch.rows_per_block - 1) / launch.rows_per_block;
+  int device = 0, sms = 0, blocks_per_sm = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int64_t shared_bytes = launch.shared_bytes + (prog.vector_io ? int64_t{threads} * kRowValues * sizeof(typename S::Raw) : 0);
+  if (shared_bytes > 48 * 1024)
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared_bytes)));
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, threads, shared_bytes));
+  const int64_t resident = int64_t{sms} * std::max(blocks_per_sm, 1);
+  const unsigned blocks = static_cast<unsigned>(std::min(row_groups, resident));
+  kernel<<<blocks, threads, shared_bytes, stream>>>(prog);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <int BYTES>
+template <class S>
 void launch_broadcast_tail(const TailProgram& prog, cudaStream_t stream) {
-  constexpr int vec = 16 / BYTES;
+  constexpr int vec = S::VEC;
   const bool vectorized = prog.sizes[prog.ndim - 1] % vec == 0;
   const int64_t per_thread = vectorized ? vec : 1;
   const int64_t threads = (prog.numel + per_thread - 1) / per_thread;
@@ -687,8 +784,8 @@ void launch_broadcast_tail(const TailProgram& prog, cudaStream_t stream) {
   C10_CUDA_CHECK(cudaGetDevice(&device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((threads + 255) / 256, int64_t{sms} * 8));
-  if (vectorized) broadcast_tail_kernel<BYTES, vec><<<blocks, 256, 0, stream>>>(prog);
-  else broadcast_tail_kernel<BYTES, 1><<<blocks, 256, 0, stream>>>(prog);
+  if (vectorized) broadcast_tail_kernel<S, vec><<<blocks, 256, 0, stream>>>(prog);
+  else broadcast_tail_kernel<S, 1><<<blocks, 256, 0, stream>>>(prog);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -14,9 +14,8 @@ constexpr int kMaxParams = 8;
 constexpr int kMaxSlots = 2;
 constexpr int kMaxTailOperands = 4;
 constexpr int kMaxTailDims = 4;
-constexpr int kShortRowValues = 16;        // values per thread while a row fits kShortRowMaxThreads threads
-constexpr int kShortRowMaxThreads = 512;
-constexpr int kShortRowMinBlocks = 2;      // __launch_bounds__ minimum blocks per SM of the short-row kernels
+constexpr int kRowValues = 16;         // values per thread of the row kernel: rows up to 16384 features
+constexpr int kMaxRowThreads = 1024;   // threads per row at most; __launch_bounds__(1024, 1) caps registers at 64
 
 // ================================================================ instruction format
 
@@ -38,8 +37,6 @@ enum GroupMode : uint8_t {
   GROUP_ACROSS_LANES,  // whole chunks per group: combine chunks in-thread, then lanes_per_group lanes
   GROUP_SHARED,        // any other size: the row staged in shared memory, one thread or warp per group
 };
-
-enum StorageKind : uint8_t { STORAGE_F32, STORAGE_BF16, STORAGE_F16 };
 
 struct Instruction {
   uint8_t op;
@@ -71,9 +68,9 @@ struct RowProgram {
   int32_t features;
   int32_t num_instructions;
   int32_t threads_per_row;  // TPR, a power of 2 from 32
+  int32_t group_shared_floats;  // dynamic shared memory of the GROUP_SHARED rows, before the staging slots
   bool vector_io;           // features % VEC == 0: 16-byte loads and stores of the row
   bool output_per_row;      // write one value per row
-  uint8_t storage;          // StorageKind of every tensor
 };
 
 // A tail operand: element i of the output reads ptr[sum_d coord_d(i) * strides[d]]. The host checks that
@@ -82,6 +79,7 @@ struct RowProgram {
 struct TailOperand {
   const void* ptr;
   uint32_t strides[kMaxTailDims];
+  bool vector_loads;  // innermost stride 1, 16-byte aligned wherever a thread's VEC outputs start
 };
 
 struct TailProgram {
@@ -92,22 +90,25 @@ struct TailProgram {
   uint32_t numel;
   int32_t ndim;
   int32_t num_instructions;
-  uint8_t storage;
 };
 
-// How the row kernel is launched: TPR threads per row, rows_per_block rows per block, CHUNKS chunks per thread.
+// How the row kernel is launched: rows_per_block rows of TPR threads per block.
 struct RowLaunch {
-  int chunks;
   int rows_per_block;
-  int64_t shared_bytes;  // GROUP_SHARED rows
+  int64_t shared_bytes;  // GROUP_SHARED rows (the launcher adds the staging slots)
 };
 
-// One launcher per translation unit (row_program_*.cu, broadcast_tail.cu), so that ninja compiles them in
-// parallel; each launches on `stream` and checks the launch.
-void launch_row_program_fp32(const RowProgram& prog, const RowLaunch& launch, cudaStream_t stream);
-void launch_row_program_fp32_slots(const RowProgram& prog, const RowLaunch& launch, cudaStream_t stream);
-void launch_row_program_16bit(const RowProgram& prog, const RowLaunch& launch, cudaStream_t stream);
-void launch_row_program_16bit_slots(const RowProgram& prog, const RowLaunch& launch, cudaStream_t stream);
-void launch_broadcast_tail(const TailProgram& prog, int element_bytes, cudaStream_t stream);
+// The kernels' storage types (interpreter.cuh): every tensor of one call has the same dtype.
+struct Fp32Storage;
+struct Bf16Storage;
+struct Fp16Storage;
+
+// The launchers, explicitly instantiated one storage type (and slot count) per translation unit
+// (row_program_*.cu, broadcast_tail.cu), so that ninja compiles them in parallel; each launches on `stream`
+// and checks the launch.
+template <class Storage, int SLOTS>
+void launch_row_program(const RowProgram& prog, const RowLaunch& launch, cudaStream_t stream);
+template <class Storage>
+void launch_broadcast_tail(const TailProgram& prog, cudaStream_t stream);
 
 }  // namespace fxfuse
