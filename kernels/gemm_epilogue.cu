@@ -731,6 +731,7 @@ at::Tensor gemm_epilogue_cuda(const at::Tensor& x, const at::Tensor& weight, con
     output = at::empty(binding.output_shape, y.options());
     std::vector<at::Tensor> operands{row_result.view(binding.row_result_shape).expand(binding.output_shape)};
     for (const at::Tensor& param : binding.tail_params) operands.push_back(param.expand(binding.output_shape));
+    tail.num_operands = static_cast<int32_t>(operands.size());
     while (operands.size() < static_cast<size_t>(kMaxTailOperands)) operands.push_back(operands[0]);
     if (!coalesce_tail(binding.output_shape, operands, tail))
       return run_fallback(x, weight, bias, params, program_text, "broadcast output too large or too many dims");

@@ -332,18 +332,14 @@ struct RowContext {
   __device__ int chunk_count(int c) const { return min(max(prog.features - element(c, 0), 0), VEC); }
   __device__ bool valid(int c, int j) const { return element(c, j) < prog.features; }
 
-  // The param reader of the row phase.
+  // The param reader of the row phase. On the vector path a chunk past the row's end reads the row's first
+  // chunk instead of branching to a fill: its values are never stored, and reductions mask them.
   __device__ void load(int param, int c, float (&dst)[VEC]) const {
     const RowParam& p = prog.params[param];
     const Raw* base = static_cast<const Raw*>(p.ptr) + row * p.row_stride;
     const int first = element(c, 0);
     if (p.vector_loads) {
-      if (first < prog.features) {
-        load_vector<S>(base + first, dst);
-      } else {
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) dst[j] = 0.0f;
-      }
+      load_vector<S>(base + (first < prog.features ? first : 0), dst);
     } else {
 #pragma unroll
       for (int j = 0; j < VEC; ++j)
@@ -528,6 +524,32 @@ __device__ __forceinline__ void run_statistic(const Ctx& ctx, const Instruction&
   }
 }
 
+// A norm's per-element apply. The affine case (weight and bias both given, as nn.GroupNorm and nn.LayerNorm
+// have) runs without the None fallbacks, which the compiler would otherwise fill speculatively for every chunk.
+template <class F, typename Ctx, int CHUNKS, int VEC>
+__device__ __forceinline__ void apply_norm(const Ctx& ctx, const Instruction& ins, Values<CHUNKS, VEC>& cur,
+                                           const float (&s0)[CHUNKS], const float (&s1)[CHUNKS]) {
+  if (ins.param[0] >= 0 && ins.param[1] >= 0) {
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) {
+      float w[VEC], b[VEC];
+      ctx.load(ins.param[0], c, w);
+      ctx.load(ins.param[1], c, b);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) cur[c][j] = F::apply(cur[c][j], s0[c], s1[c], w[j], b[j]);
+    }
+    return;
+  }
+#pragma unroll
+  for (int c = 0; c < CHUNKS; ++c) {
+    float w[VEC], b[VEC];
+    ctx.load_feature_param(ins.param[0], c, 1.0f, w);
+    ctx.load_feature_param(ins.param[1], c, 0.0f, b);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) cur[c][j] = F::apply(cur[c][j], s0[c], s1[c], w[j], b[j]);
+  }
+}
+
 // A norm or a row reduction: its statistic (one copy of each statistic's code per kernel), then the op's
 // per-element apply, or its per-row result in every element (so later pointwise ops broadcast it for free).
 template <typename Ctx, int CHUNKS, int VEC>
@@ -543,14 +565,9 @@ __device__ __forceinline__ void run_row_op(const Ctx& ctx, const Instruction& in
     break;
     FXFUSE_REDUCTION_OPS(FXFUSE_RESULT_CASE)
 #undef FXFUSE_RESULT_CASE
-#define FXFUSE_NORM_APPLY_CASE(name, F)                                                         \
-  case OP_##name:                                                                               \
-    _Pragma("unroll") for (int c = 0; c < CHUNKS; ++c) {                                        \
-      float w[VEC], b[VEC];                                                                     \
-      ctx.load_feature_param(ins.param[0], c, 1.0f, w);                                         \
-      ctx.load_feature_param(ins.param[1], c, 0.0f, b);                                         \
-      _Pragma("unroll") for (int j = 0; j < VEC; ++j) cur[c][j] = F::apply(cur[c][j], s0[c], s1[c], w[j], b[j]); \
-    }                                                                                           \
+#define FXFUSE_NORM_APPLY_CASE(name, F)                 \
+  case OP_##name:                                       \
+    apply_norm<F>(ctx, ins, cur, s0, s1);               \
     return;
     FXFUSE_NORM_OPS(FXFUSE_NORM_APPLY_CASE)
 #undef FXFUSE_NORM_APPLY_CASE
@@ -690,23 +707,23 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1) row_program_kernel(const __
 
 // ================================================================ the broadcast tail kernel
 
-// Each thread evaluates ELEMS consecutive outputs (ELEMS = VEC when the innermost dim is a multiple of it, so
-// they never wrap a dim; else 1). An operand is read with one 16-byte load where it is contiguous along them, with
-// one load where it is broadcast along them (stride 0), else element by element.
+// The operand reader of the tail: chunk `run` of a lane is its run-th run of ELEMS outputs, 32 * ELEMS outputs
+// after the previous one. An operand is read with one 16-byte load where it is contiguous along a run, with one
+// load where it is broadcast along it (stride 0), else element by element.
 template <class S, int ELEMS>
 struct TailReader {
   using Raw = typename S::Raw;
   static constexpr int VEC = S::VEC;
   const TailProgram& prog;
-  uint32_t offset[kMaxTailOperands];
-  __device__ void load(int operand, int, float (&dst)[ELEMS]) const {
+  uint32_t offset[kMaxTailOperands];  // of the lane's first run
+  __device__ void load(int operand, int run, float (&dst)[ELEMS]) const {
     uint32_t base = offset[0];
 #pragma unroll
     for (int k = 1; k < kMaxTailOperands; ++k)
       if (operand == k) base = offset[k];  // compile-time indices keep offset[] in registers
     const TailOperand& source = prog.operands[operand];
-    const Raw* p = static_cast<const Raw*>(source.ptr) + base;
     const uint32_t inner = source.strides[prog.ndim - 1];
+    const Raw* p = static_cast<const Raw*>(source.ptr) + base + run * 32 * ELEMS * inner;
     if constexpr (ELEMS == VEC) {
       if (source.vector_loads) {
         load_vector<S>(p, dst);
@@ -724,29 +741,44 @@ struct TailReader {
   }
 };
 
-template <class S, int ELEMS>
+// A warp evaluates 32 * UNITS runs of ELEMS consecutive outputs, contiguous: run u of lane l starts at
+// (u * 32 + l) * ELEMS from the warp's first output, so every store instruction of the warp covers 32 * ELEMS
+// contiguous outputs. A lane computes its index once, loads its UNITS runs together and interprets the program
+// once over all of them. Runs never wrap a dim: the launcher checks that the innermost size is a multiple of
+// 32 * ELEMS * UNITS (of ELEMS where UNITS is 1).
+template <class S, int ELEMS, int UNITS>
 __global__ void __launch_bounds__(256) broadcast_tail_kernel(const __grid_constant__ TailProgram prog) {
   using Raw = typename S::Raw;
-  const uint32_t step = gridDim.x * blockDim.x * ELEMS;
-  for (uint32_t first = (blockIdx.x * blockDim.x + threadIdx.x) * ELEMS; first < prog.numel; first += step) {
+  constexpr int WARP_SPAN = 32 * ELEMS * UNITS;
+  const uint32_t lane = threadIdx.x % 32;
+  const uint32_t warps = gridDim.x * (blockDim.x / 32);
+  for (uint32_t warp_first = (blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32) * WARP_SPAN; warp_first < prog.numel;
+       warp_first += warps * WARP_SPAN) {
+    const uint32_t first = warp_first + lane * ELEMS;
+    if (first >= prog.numel) continue;
     TailReader<S, ELEMS> reader{prog, {}};
     uint32_t rest = first;
     for (int d = prog.ndim - 1; d >= 0; --d) {
       const uint32_t coord = rest % prog.sizes[d];
       rest /= prog.sizes[d];
 #pragma unroll
-      for (int op = 0; op < kMaxTailOperands; ++op) reader.offset[op] += coord * prog.operands[op].strides[d];
+      for (int op = 0; op < kMaxTailOperands; ++op)
+        if (op < prog.num_operands) reader.offset[op] += coord * prog.operands[op].strides[d];
     }
-    float cur[1][ELEMS];
-    float slots[kMaxSlots][1][ELEMS];
-    reader.load(0, 0, cur[0]);
+    float cur[UNITS][ELEMS];
+    float slots[kMaxSlots][UNITS][ELEMS];
+#pragma unroll
+    for (int run = 0; run < UNITS; ++run) reader.load(0, run, cur[run]);
     for (int pc = 0; pc < prog.num_instructions; ++pc)
-      run_pointwise<1, ELEMS, kMaxSlots>(prog.code[pc], cur, slots, reader);
-    Raw* out = static_cast<Raw*>(prog.output) + first;
-    if constexpr (ELEMS == S::VEC) {
-      store_vector<S>(out, cur[0]);
-    } else {
-      out[0] = S::from_float(cur[0][0]);
+      run_pointwise<UNITS, ELEMS, kMaxSlots>(prog.code[pc], cur, slots, reader);
+#pragma unroll
+    for (int run = 0; run < UNITS; ++run) {
+      Raw* out = static_cast<Raw*>(prog.output) + first + run * 32 * ELEMS;
+      if constexpr (ELEMS == S::VEC) {
+        store_vector<S>(out, cur[run]);
+      } else {
+        out[0] = S::from_float(cur[run][0]);
+      }
     }
   }
 }
@@ -774,18 +806,21 @@ void launch_row_program(const RowProgram& prog, const RowLaunch& launch, cudaStr
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// Four 16-byte runs per thread where the innermost dim allows (the min + bias example's tail: 16 MB of bf16
+// output), one where it is a multiple of VEC, else one element.
 template <class S>
 void launch_broadcast_tail(const TailProgram& prog, cudaStream_t stream) {
-  constexpr int vec = S::VEC;
-  const bool vectorized = prog.sizes[prog.ndim - 1] % vec == 0;
-  const int64_t per_thread = vectorized ? vec : 1;
+  constexpr int vec = S::VEC, units = 4;
+  const uint32_t inner = prog.sizes[prog.ndim - 1];
+  const int64_t per_thread = inner % (32 * vec * units) == 0 ? vec * units : inner % vec == 0 ? vec : 1;
   const int64_t threads = (prog.numel + per_thread - 1) / per_thread;
   int device = 0, sms = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((threads + 255) / 256, int64_t{sms} * 8));
-  if (vectorized) broadcast_tail_kernel<S, vec><<<blocks, 256, 0, stream>>>(prog);
-  else broadcast_tail_kernel<S, 1><<<blocks, 256, 0, stream>>>(prog);
+  if (per_thread == vec * units) broadcast_tail_kernel<S, vec, units><<<blocks, 256, 0, stream>>>(prog);
+  else if (per_thread == vec) broadcast_tail_kernel<S, vec, 1><<<blocks, 256, 0, stream>>>(prog);
+  else broadcast_tail_kernel<S, 1, 1><<<blocks, 256, 0, stream>>>(prog);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -85,6 +85,7 @@ struct TailOperand {
 struct TailProgram {
   Instruction code[kMaxInstructions];
   TailOperand operands[kMaxTailOperands];  // 0: the row phase's result; then the params the tail reads
+  int32_t num_operands;
   void* output;                            // contiguous, sizes below
   uint32_t sizes[kMaxTailDims];            // coalesced output dims, outermost first
   uint32_t numel;
