@@ -259,8 +259,9 @@ struct CrossWarp {
   float partial[32][CHUNKS];
 };
 
-// Combines v[k] over lanes_per_group consecutive lanes (a power of 2): xor butterflies within a warp, then a
-// fixed-order fold over the group's warps through shared memory. Every lane of a group ends with the same bits.
+// Combines v[k] over lanes_per_group consecutive lanes (a power of 2): xor butterflies within a warp, then the
+// same over the group's warps' partials, read from shared memory (each lane takes partial lane % warps_per_group).
+// Both lanes of a butterfly step combine the same two numbers, so every lane of a group ends with the same bits.
 template <class R, int K, int CHUNKS>
 __device__ __forceinline__ void lanes_allreduce(typename R::Value (&v)[K], int lanes_per_group,
                                                 CrossWarp<CHUNKS>& cross_warp) {
@@ -277,13 +278,12 @@ __device__ __forceinline__ void lanes_allreduce(typename R::Value (&v)[K], int l
 #pragma unroll
       for (int k = 0; k < K; ++k) cross_warp.partial[warp][k] = v[k];
     __syncthreads();
-    const int first = warp / warps_per_group * warps_per_group;
+    const int partial = warp / warps_per_group * warps_per_group + threadIdx.x % 32 % warps_per_group;
 #pragma unroll
-    for (int k = 0; k < K; ++k) {
-      Value total = cross_warp.partial[first][k];
-      for (int w = 1; w < warps_per_group; ++w) total = R::apply(total, cross_warp.partial[first + w][k]);
-      v[k] = total;
-    }
+    for (int k = 0; k < K; ++k) v[k] = cross_warp.partial[partial][k];
+    for (int offset = 1; offset < warps_per_group; offset <<= 1)
+#pragma unroll
+      for (int k = 0; k < K; ++k) v[k] = R::apply(v[k], shuffle_xor(v[k], offset));
     __syncthreads();
   }
 }
