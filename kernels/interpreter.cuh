@@ -35,8 +35,10 @@ struct Fp32Storage {
   __device__ static float to_float(Raw v) { return v; }
   __device__ static Raw from_float(float v) { return v; }
   __device__ static void unpack(const uint4& raw, float (&dst)[VEC]) {
-    dst[0] = __uint_as_float(raw.x), dst[1] = __uint_as_float(raw.y);
-    dst[2] = __uint_as_float(raw.z), dst[3] = __uint_as_float(raw.w);
+    dst[0] = __uint_as_float(raw.x);
+    dst[1] = __uint_as_float(raw.y);
+    dst[2] = __uint_as_float(raw.z);
+    dst[3] = __uint_as_float(raw.w);
   }
   __device__ static uint4 pack(const float (&src)[VEC]) {
     return {__float_as_uint(src[0]), __float_as_uint(src[1]), __float_as_uint(src[2]), __float_as_uint(src[3])};
