@@ -196,6 +196,20 @@ def test_group_sizes_off_the_lane_grid(groups, precision):
     run_and_check(f"group_norm(%0,$0,$1,{groups},1e-05)", x, weight, bias, params, bound_for(precision))
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"], indirect=True)
+@pytest.mark.parametrize("n", [12000, 16384])
+def test_long_rows_take_more_than_48_kb_of_shared_memory(n, precision, caplog):
+    """1024 threads a row: fp32 staging alone is 64 KB, past the 48 KB a launch gets without asking; at 12000
+    features the 750-wide groups also take the shared-memory group path (47 KB more)."""
+    dtype = DTYPES[precision]
+    x, weight, bias = linear_inputs(300, 129, n, dtype)
+    params = [torch.randn(n, device="cuda").to(dtype) for _ in range(3)]
+    program = "add(%0,$0);clamp(%1,-1.0,1.0);mish(%2);group_norm(%3,$1,$2,16,1e-05)"
+    with caplog.at_level(logging.DEBUG, logger="fxfuse"):
+        run_and_check(program, x, weight, bias, params, bound_for(precision))
+    assert not caplog.records, [r.getMessage() for r in caplog.records]  # the kernels ran, not the fallback
+
+
 # ---------------------------------------------------------------- program families
 
 FAMILIES = [
