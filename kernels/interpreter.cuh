@@ -527,29 +527,31 @@ __device__ __forceinline__ void run_statistic(const Ctx& ctx, const Instruction&
 }
 
 // A norm's per-element apply. The affine case (weight and bias both given, as nn.GroupNorm and nn.LayerNorm
-// have) runs without the None fallbacks, which the compiler would otherwise fill speculatively for every chunk.
-template <class F, typename Ctx, int CHUNKS, int VEC>
-__device__ __forceinline__ void apply_norm(const Ctx& ctx, const Instruction& ins, Values<CHUNKS, VEC>& cur,
-                                           const float (&s0)[CHUNKS], const float (&s1)[CHUNKS]) {
-  if (ins.param[0] >= 0 && ins.param[1] >= 0) {
-#pragma unroll
-    for (int c = 0; c < CHUNKS; ++c) {
-      float w[VEC], b[VEC];
-      ctx.load(ins.param[0], c, w);
-      ctx.load(ins.param[1], c, b);
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) cur[c][j] = F::apply(cur[c][j], s0[c], s1[c], w[j], b[j]);
-    }
-    return;
-  }
+// have) is compiled without the None fallbacks, which the compiler would otherwise fill speculatively for every
+// chunk.
+template <bool AFFINE, class F, typename Ctx, int CHUNKS, int VEC>
+__device__ __forceinline__ void apply_norm_chunks(const Ctx& ctx, const Instruction& ins, Values<CHUNKS, VEC>& cur,
+                                                  const float (&s0)[CHUNKS], const float (&s1)[CHUNKS]) {
 #pragma unroll
   for (int c = 0; c < CHUNKS; ++c) {
     float w[VEC], b[VEC];
-    ctx.load_feature_param(ins.param[0], c, 1.0f, w);
-    ctx.load_feature_param(ins.param[1], c, 0.0f, b);
+    if constexpr (AFFINE) {
+      ctx.load(ins.param[0], c, w);
+      ctx.load(ins.param[1], c, b);
+    } else {
+      ctx.load_feature_param(ins.param[0], c, 1.0f, w);
+      ctx.load_feature_param(ins.param[1], c, 0.0f, b);
+    }
 #pragma unroll
     for (int j = 0; j < VEC; ++j) cur[c][j] = F::apply(cur[c][j], s0[c], s1[c], w[j], b[j]);
   }
+}
+
+template <class F, typename Ctx, int CHUNKS, int VEC>
+__device__ __forceinline__ void apply_norm(const Ctx& ctx, const Instruction& ins, Values<CHUNKS, VEC>& cur,
+                                           const float (&s0)[CHUNKS], const float (&s1)[CHUNKS]) {
+  if (ins.param[0] >= 0 && ins.param[1] >= 0) apply_norm_chunks<true, F>(ctx, ins, cur, s0, s1);
+  else apply_norm_chunks<false, F>(ctx, ins, cur, s0, s1);
 }
 
 // A norm or a row reduction: its statistic (one copy of each statistic's code per kernel), then the op's
