@@ -19,6 +19,9 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <map>
+#include <mutex>
+#include <tuple>
 
 #include "program_format.cuh"
 
@@ -792,20 +795,34 @@ __global__ void __launch_bounds__(256) broadcast_tail_kernel(const __grid_consta
 // ================================================================ launchers (declared in program_format.cuh,
 // instantiated in the .cu files)
 
+// Blocks of the persistent grid: as many as fit on the device at once. Computed (and the dynamic shared memory
+// limit raised past 48 KB where needed) once per kernel, device, block size and shared memory size, not per call.
+template <class Kernel>
+int64_t resident_blocks(Kernel kernel, int threads, int64_t shared_bytes) {
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  static std::mutex mutex;
+  static std::map<std::tuple<const void*, int, int, int64_t>, int64_t> cache;  // all row kernels share one type
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), device, threads, shared_bytes);
+  const auto found = cache.find(key);
+  if (found != cache.end()) return found->second;
+  int sms = 0, blocks_per_sm = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  if (shared_bytes > 48 * 1024)
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared_bytes)));
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, threads, shared_bytes));
+  return cache[key] = int64_t{sms} * std::max(blocks_per_sm, 1);
+}
+
 template <class S, int SLOTS>
 void launch_row_program(const RowProgram& prog, const RowLaunch& launch, cudaStream_t stream) {
   const auto kernel = row_program_kernel<S, SLOTS>;
   const int threads = launch.rows_per_block * prog.threads_per_row;
   const int64_t row_groups = (prog.rows + launch.rows_per_block - 1) / launch.rows_per_block;
-  int device = 0, sms = 0, blocks_per_sm = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int64_t shared_bytes = launch.shared_bytes + (prog.vector_io ? int64_t{threads} * kRowValues * sizeof(typename S::Raw) : 0);
-  if (shared_bytes > 48 * 1024)
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared_bytes)));
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, threads, shared_bytes));
-  const int64_t resident = int64_t{sms} * std::max(blocks_per_sm, 1);
-  const unsigned blocks = static_cast<unsigned>(std::min(row_groups, resident));
+  const int64_t shared_bytes =
+      launch.shared_bytes + (prog.vector_io ? int64_t{threads} * kRowValues * sizeof(typename S::Raw) : 0);
+  const unsigned blocks = static_cast<unsigned>(std::min(row_groups, resident_blocks(kernel, threads, shared_bytes)));
   kernel<<<blocks, threads, shared_bytes, stream>>>(prog);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
