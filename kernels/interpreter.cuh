@@ -283,7 +283,7 @@ __device__ __forceinline__ void lanes_allreduce(typename R::Value (&v)[K], int l
 #pragma unroll
       for (int k = 0; k < K; ++k) cross_warp.partial[warp][k] = v[k];
     __syncthreads();
-    const int partial = warp / warps_per_group * warps_per_group + threadIdx.x % 32 % warps_per_group;
+    const int partial = (warp & ~(warps_per_group - 1)) | (threadIdx.x & (warps_per_group - 1));  // powers of 2
 #pragma unroll
     for (int k = 0; k < K; ++k) v[k] = cross_warp.partial[partial][k];
     for (int offset = 1; offset < warps_per_group; offset <<= 1)
@@ -324,6 +324,10 @@ __device__ __forceinline__ void group_allreduce(typename R::Value (&part)[CHUNKS
 
 // ================================================================ the row kernel
 
+// The row kernel's dynamic shared memory, in 16-byte vectors: the GROUP_SHARED rows (as floats), the staged
+// params, then the staging slots of the next row (offsets in RowProgram and RowParam, set by the launcher).
+extern __shared__ uint4 row_shared[];
+
 template <class S, int CHUNKS>
 struct RowContext {
   static constexpr int VEC = S::VEC;
@@ -337,10 +341,15 @@ struct RowContext {
   __device__ int chunk_count(int c) const { return min(max(prog.features - element(c, 0), 0), VEC); }
   __device__ bool valid(int c, int j) const { return element(c, j) < prog.features; }
 
-  // The param reader of the row phase. On the vector path a chunk past the row's end reads the row's first
-  // chunk instead of branching to a fill: its values are never stored, and reductions mask them.
+  // The param reader of the row phase: one shared-memory vector for a staged param. Otherwise, on the vector
+  // path, a chunk past the row's end reads the row's first chunk instead of branching to a fill: its values are
+  // never stored, and reductions mask them.
   __device__ void load(int param, int c, float (&dst)[VEC]) const {
     const RowParam& p = prog.params[param];
+    if (p.shared_index >= 0) {
+      S::unpack(row_shared[p.shared_index + c * prog.threads_per_row + lane], dst);
+      return;
+    }
     const Raw* base = static_cast<const Raw*>(p.ptr) + row * p.row_stride;
     const int first = element(c, 0);
     if (p.vector_loads) {
@@ -369,16 +378,22 @@ __device__ __forceinline__ void chunk_fold(const Ctx& ctx, const Values<CHUNKS, 
 #pragma unroll
   for (int c = 0; c < CHUNKS; ++c) {
     const int count = ctx.chunk_count(c);
-    float acc = R::identity();
-    if (count == VEC) {
+    if (count == VEC) {  // a tree: log2(VEC) dependent steps instead of VEC
+      float terms[VEC];
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) acc = R::apply(acc, f(c, cur[c][j]));
+      for (int j = 0; j < VEC; ++j) terms[j] = f(c, cur[c][j]);
+#pragma unroll
+      for (int width = VEC / 2; width > 0; width /= 2)
+#pragma unroll
+        for (int j = 0; j < width; ++j) terms[j] = R::apply(terms[j], terms[j + width]);
+      part[c] = terms[0];
     } else {
+      float acc = R::identity();
 #pragma unroll
       for (int j = 0; j < VEC; ++j)
         if (j < count) acc = R::apply(acc, f(c, cur[c][j]));
+      part[c] = acc;
     }
-    part[c] = acc;
   }
 }
 
@@ -627,6 +642,34 @@ __device__ __forceinline__ void stage_row(const RowProgram& prog, int64_t row, i
   commit_async_copies();
 }
 
+// Starts copying each param the launcher staged (its shared_index >= 0) into shared memory, once per block, in
+// the storage type, padded to CHUNKS * TPR vectors so that every chunk's read stays in bounds. Contiguous params
+// of whole vectors go by cp.async, the rest element by element. The caller waits and syncs the block before the
+// row phase reads them, with one shared load per param chunk.
+template <class S>
+__device__ __forceinline__ void stage_params(const RowProgram& prog) {
+  using Raw = typename S::Raw;
+  constexpr int VEC = S::VEC;
+  const int padded = kRowValues * prog.threads_per_row;  // CHUNKS * TPR * VEC elements
+  for (int k = 0; k < kMaxParams; ++k) {
+    const RowParam& p = prog.params[k];
+    if (p.shared_index < 0) continue;
+    uint4* copy = row_shared + p.shared_index;
+    const Raw* source = static_cast<const Raw*>(p.ptr);
+    if (p.vector_loads) {
+      for (int v = threadIdx.x; v < padded / VEC; v += blockDim.x) {
+        if (v * VEC < prog.features) copy_async_16(&copy[v], source + v * VEC);
+        else copy[v] = uint4{0, 0, 0, 0};
+      }
+    } else {
+      Raw* elements = reinterpret_cast<Raw*>(copy);
+      for (int i = threadIdx.x; i < padded; i += blockDim.x)
+        elements[i] = i < prog.features ? source[i * p.feature_stride] : Raw{};
+    }
+  }
+  commit_async_copies();
+}
+
 // Block: (blockDim.x / TPR) rows of TPR threads, kRowValues values per thread. The grid is persistent (as many
 // blocks as fit on the GPU at once); each block takes every gridDim.x-th group of rows, and on the vector path
 // the next group's row is copied into shared memory while the current one computes.
@@ -637,22 +680,27 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1) row_program_kernel(const __
   using Ctx = RowContext<S, CHUNKS>;
   using Raw = typename Ctx::Raw;
   __shared__ CrossWarp<CHUNKS> cross_warp;
-  extern __shared__ __align__(16) float shared_rows[];  // the GROUP_SHARED rows, then the staging slots
-  uint4* staging = reinterpret_cast<uint4*>(shared_rows + prog.group_shared_floats);
+  float* shared_rows = reinterpret_cast<float*>(row_shared);
+  uint4* staging = row_shared + prog.staging_vector;
 
-  const int tpr = prog.threads_per_row;
-  const int lane = threadIdx.x % tpr;
-  const int rows_per_block = blockDim.x / tpr;
+  // TPR is a power of 2: masks and shifts, not the ~20-instruction integer division the compiler re-derived
+  // wherever the lane was needed (3% of the executed instructions, ncu).
+  const int tpr_shift = __popc(prog.threads_per_row - 1);
+  const int lane = threadIdx.x & (prog.threads_per_row - 1);
+  const int rows_per_block = blockDim.x >> tpr_shift;
   const int64_t row_groups = (prog.rows + rows_per_block - 1) / rows_per_block;
   const auto clamped_row = [&](int64_t group) {
-    const int64_t row = group * rows_per_block + threadIdx.x / tpr;
+    const int64_t row = group * rows_per_block + (threadIdx.x >> tpr_shift);
     return row < prog.rows ? row : prog.rows - 1;
   };
 
+  stage_params<S>(prog);
   if (prog.vector_io && blockIdx.x < row_groups) stage_row<S, CHUNKS>(prog, clamped_row(blockIdx.x), lane, staging);
+  wait_async_copies();
+  __syncthreads();  // every thread's param copies are in
 
   for (int64_t group = blockIdx.x; group < row_groups; group += gridDim.x) {
-    const int64_t row = group * rows_per_block + threadIdx.x / tpr;
+    const int64_t row = group * rows_per_block + (threadIdx.x >> tpr_shift);
     const Ctx ctx{prog, clamped_row(group), lane};
     float cur[CHUNKS][VEC];
     float slots[kSlotStorage<SLOTS>][CHUNKS][VEC];
@@ -795,35 +843,66 @@ __global__ void __launch_bounds__(256) broadcast_tail_kernel(const __grid_consta
 // ================================================================ launchers (declared in program_format.cuh,
 // instantiated in the .cu files)
 
-// Blocks of the persistent grid: as many as fit on the device at once. Computed (and the dynamic shared memory
-// limit raised past 48 KB where needed) once per kernel, device, block size and shared memory size, not per call.
+// The persistent grid of a row kernel: as many blocks as fit on the device at once, and the shared memory each
+// block can take on top of `shared_bytes` without lowering that count (for staged params). Computed once per
+// kernel, device, block size and shared memory size, not per call.
+struct RowGrid {
+  int64_t blocks;
+  int64_t spare_shared_bytes;
+};
+
 template <class Kernel>
-int64_t resident_blocks(Kernel kernel, int threads, int64_t shared_bytes) {
+RowGrid row_grid(Kernel kernel, int threads, int64_t shared_bytes) {
   int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
   static std::mutex mutex;
-  static std::map<std::tuple<const void*, int, int, int64_t>, int64_t> cache;  // all row kernels share one type
+  static std::map<std::tuple<const void*, int, int, int64_t>, RowGrid> cache;  // all row kernels share one type
   const std::lock_guard<std::mutex> lock(mutex);
   const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), device, threads, shared_bytes);
   const auto found = cache.find(key);
   if (found != cache.end()) return found->second;
-  int sms = 0, blocks_per_sm = 0;
+  int sms = 0, per_block_optin = 0, per_sm = 0, reserved_per_block = 0, blocks_per_sm = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  if (shared_bytes > 48 * 1024)
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared_bytes)));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&per_block_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&reserved_per_block, cudaDevAttrReservedSharedMemoryPerBlock, device));
+  cudaFuncAttributes attributes;
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+  const int64_t dynamic_max = per_block_optin - static_cast<int64_t>(attributes.sharedSizeBytes);
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(dynamic_max)));
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, threads, shared_bytes));
-  return cache[key] = int64_t{sms} * std::max(blocks_per_sm, 1);
+  blocks_per_sm = std::max(blocks_per_sm, 1);
+  const int64_t per_block = per_sm / blocks_per_sm - reserved_per_block - static_cast<int64_t>(attributes.sharedSizeBytes);
+  const int64_t spare = std::max<int64_t>(std::min(dynamic_max, per_block) - shared_bytes, 0);
+  return cache[key] = RowGrid{int64_t{sms} * blocks_per_sm, spare};
 }
 
+// Stages every param that is the same for all rows (row_stride 0) in shared memory, in param order, while the
+// grid's spare shared memory lasts; the rest are read from global memory.
 template <class S, int SLOTS>
 void launch_row_program(const RowProgram& prog, const RowLaunch& launch, cudaStream_t stream) {
   const auto kernel = row_program_kernel<S, SLOTS>;
   const int threads = launch.rows_per_block * prog.threads_per_row;
   const int64_t row_groups = (prog.rows + launch.rows_per_block - 1) / launch.rows_per_block;
-  const int64_t shared_bytes =
-      launch.shared_bytes + (prog.vector_io ? int64_t{threads} * kRowValues * sizeof(typename S::Raw) : 0);
-  const unsigned blocks = static_cast<unsigned>(std::min(row_groups, resident_blocks(kernel, threads, shared_bytes)));
-  kernel<<<blocks, threads, shared_bytes, stream>>>(prog);
+  const int64_t staging_bytes = prog.vector_io ? int64_t{threads} * kRowValues * sizeof(typename S::Raw) : 0;
+  const int64_t shared_bytes = (launch.shared_bytes + 15) / 16 * 16 + staging_bytes;
+  const RowGrid grid = row_grid(kernel, threads, shared_bytes);
+
+  RowProgram staged = prog;
+  const int param_vectors = kRowValues / S::VEC * prog.threads_per_row;  // CHUNKS * TPR
+  const int group_vectors = static_cast<int>((launch.shared_bytes + 15) / 16);
+  int64_t spare = grid.spare_shared_bytes;
+  staged.staging_vector = group_vectors;
+  for (RowParam& param : staged.params) {
+    param.shared_index = -1;
+    if (param.ptr == nullptr || param.row_stride != 0 || spare < param_vectors * 16) continue;
+    param.shared_index = staged.staging_vector;
+    staged.staging_vector += param_vectors;
+    spare -= param_vectors * 16;
+  }
+  const int64_t staged_bytes = int64_t{staged.staging_vector - group_vectors} * 16;
+  const unsigned blocks = static_cast<unsigned>(std::min(row_groups, grid.blocks));
+  kernel<<<blocks, threads, shared_bytes + staged_bytes, stream>>>(staged);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

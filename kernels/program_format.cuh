@@ -57,6 +57,7 @@ struct RowParam {
   int64_t row_stride;
   int64_t feature_stride;
   bool vector_loads;  // feature_stride 1, 16-byte aligned rows: one 16-byte load per chunk
+  int32_t shared_index;  // set by the launcher: its copy's first 16-byte vector in shared memory, or -1
 };
 
 struct RowProgram {
@@ -68,7 +69,8 @@ struct RowProgram {
   int32_t features;
   int32_t num_instructions;
   int32_t threads_per_row;  // TPR, a power of 2 from 32
-  int32_t group_shared_floats;  // dynamic shared memory of the GROUP_SHARED rows, before the staging slots
+  int32_t group_shared_floats;  // dynamic shared memory of the GROUP_SHARED rows, before the staged params
+  int32_t staging_vector;       // set by the launcher: the staging slots' first 16-byte vector in shared memory
   bool vector_io;           // features % VEC == 0: 16-byte loads and stores of the row
   bool output_per_row;      // write one value per row
 };
