@@ -3,7 +3,8 @@
 Usage: python dev/variant_bench.py dev/variants/NN_name.patch  (one variant per process: each registers the op)
        python dev/variant_bench.py current                   (kernels/ as it is)
 Prints, per example program and dtype at 1024 x 8192 -> 8192, the epilogue kernels' CUDA time per call
-(torch.profiler) and the share of the copy bandwidth it reaches.
+(torch.profiler; the row kernel and the broadcast tail apart where there is a tail) and the share of the copy
+bandwidth it reaches.
 """
 import sys
 import time
@@ -44,9 +45,12 @@ for dtype in (torch.float32, torch.bfloat16):
             for _ in range(20):
                 call()
             torch.cuda.synchronize()
-        us = sum(e.device_time_total for e in prof.key_averages()
-                 if "row_program" in e.key or "broadcast_tail" in e.key) / 20
+        kernel_us = {kind: sum(e.device_time_total for e in prof.key_averages() if kind in e.key) / 20
+                     for kind in ("row_program", "broadcast_tail")}
+        us = sum(kernel_us.values())
         nbytes = x.shape[0] * w.shape[0] * x.element_size() + out.numel() * out.element_size()
         floor = nbytes / (bandwidth * 1e9) * 1e6
         print(f"{patch.stem:<12} {str(dtype)[6:]:<9} {name:<10} {us:7.1f} us  floor {floor:5.1f} us  "
-              f"{floor / us * 100:4.0f}% of copy bandwidth")
+              f"{floor / us * 100:4.0f}% of copy bandwidth"
+              + (f"  (row {kernel_us['row_program']:.1f} + tail {kernel_us['broadcast_tail']:.1f} us)"
+                 if kernel_us["broadcast_tail"] else ""))
