@@ -4,7 +4,8 @@ Capture: the model is traced with ``torch.fx.symbolic_trace``. If the whole mode
 child module is tried in turn and what can't be traced stays in eager. The traced GraphModule shares the
 model's submodules, parameters and buffers (so state_dict keys and tensors are unchanged, and an optimizer
 step on the original parameters is seen by the optimized module). With example inputs, shapes and dtypes
-are propagated on fake tensors, which lets the matcher prove more (ranks, dims, operand dtypes).
+are propagated on fake tensors, which lets the matcher prove more (ranks, dims, operand dtypes). A model in train
+mode with anything to train gets the training form of the fused op (``fuse_graph(..., training=True)``).
 """
 from __future__ import annotations
 
@@ -159,6 +160,12 @@ def _single_torch_module(module: nn.Module) -> bool:
     return not isinstance(module, containers) and fx.Tracer().is_leaf_module(module, "")
 
 
+def _trains(model: nn.Module, example_inputs) -> bool:
+    """Whether `model`'s graph is for training: train mode, and a parameter or example input requires grad."""
+    tensors = [*model.parameters(), *(t for t in example_inputs or () if isinstance(t, torch.Tensor))]
+    return model.training and any(t.requires_grad for t in tensors)
+
+
 def _optimize(model: nn.Module, example_inputs, path: str, report: Report) -> nn.Module:
     try:
         gm = _trace(model)
@@ -180,7 +187,7 @@ def _optimize(model: nn.Module, example_inputs, path: str, report: Report) -> nn
     if example_inputs is not None:
         _propagate_shapes(gm, example_inputs)
     try:
-        report.extend(fuse_graph(gm, path))
+        report.extend(fuse_graph(gm, path, training=_trains(model, example_inputs)))
     except Exception as error:  # never fail a model that runs in eager: keep it unfused, and say why
         logger.warning("fxfuse: fusing %s failed (%s: %s); it runs unfused", path or "the model",
                        type(error).__name__, error, exc_info=logger.isEnabledFor(logging.DEBUG))

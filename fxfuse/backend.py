@@ -9,7 +9,8 @@ Entry points:
   refuses both at once) go to it, as torch.compile would pass them.
 - ``fxfuse.make_backend(inner="inductor", mode=None, **inner_options)``: the same, as a backend callable.
 
-Each graph Dynamo hands over is rewritten in place by ``fuse_graph``, the pass behind ``optimize()``. The
+Each graph Dynamo hands over is rewritten in place by ``fuse_graph``, the pass behind ``optimize()``, in its
+training form where the graph will be differentiated (``is_training_graph``). The
 fused op is a torch.library custom op with a fake implementation and registered autograd, so Dynamo,
 AOTAutograd and Inductor (as an extern kernel) take it like any aten op: it adds no graph break, guard or
 recompile of its own.
@@ -140,6 +141,15 @@ def pin_traced_scalars(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> int
     return pinned
 
 
+def is_training_graph(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> bool:
+    """Whether autograd will differentiate this graph: grad mode is on and an input or parameter requires grad.
+
+    Dynamo guards grad mode and each input's requires_grad, so a call that differs recompiles.
+    """
+    tensors = [*gm.parameters(), *(t for t in example_inputs if isinstance(t, torch.Tensor))]
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 class FxfuseBackend:
     """A torch.compile backend: ``fuse_graph`` on each graph, then the inner compiler.
 
@@ -158,7 +168,7 @@ class FxfuseBackend:
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]):
         _load_kernels_for(example_inputs)
         pin_traced_scalars(gm, example_inputs)
-        report = fuse_graph(gm)
+        report = fuse_graph(gm, training=is_training_graph(gm, example_inputs))
         self.reports.append(report)
         logger.info("fxfuse backend: %s", report)
         return self.compile_inner(gm, example_inputs)

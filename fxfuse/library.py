@@ -1,74 +1,87 @@
-"""The fused op as torch.library ops: schema, reference implementation, fake implementation and autograd.
+"""The fused ops as torch.library ops: schemas, reference implementations, fake implementations and autograd.
 
-Entry points: ``torch.ops.fxfuse.gemm_epilogue`` (what rewritten graphs call) and
-``torch.ops.fxfuse.gemm_epilogue_fallback`` (the same op pinned to the reference, plus the reason; the CUDA
-implementation calls it for inputs its kernels don't take, and it logs that reason at debug level), and
-``torch.ops.fxfuse.gemm_epilogue_backward`` (the gradients, which the registered autograd calls; its
-reference recomputes the forward with the reference ops under autograd).
+Entry points:
+
+- ``torch.ops.fxfuse.gemm_epilogue``: what inference graphs call; ``linear(x, weight, bias)``, then ``program``
+  (``fxfuse.program``). Its autograd recomputes the forward, GEMM included, through
+  ``torch.ops.fxfuse.gemm_epilogue_backward``, so an inference graph can still be differentiated.
+- ``torch.ops.fxfuse.gemm_epilogue_train``: what training graphs call; the same result, plus the GEMM output
+  itself (a tensor of its own), which its autograd keeps: the backward runs the epilogue's gradients through
+  ``torch.ops.fxfuse.epilogue_backward`` from it, then the linear's gradients, with no recompute GEMM.
+- ``gemm_epilogue_fallback`` and ``gemm_epilogue_train_fallback``: those ops pinned to the reference, plus the
+  reason; the CUDA implementation calls them for inputs its kernels don't take, and they log that reason at
+  debug level.
 
     gemm_epilogue(Tensor x, Tensor weight, Tensor? bias, Tensor[] params, str program) -> Tensor
+    gemm_epilogue_train(Tensor x, Tensor weight, Tensor? bias, Tensor[] params, str program) -> (Tensor, Tensor)
+    epilogue_backward(Tensor grad_output, Tensor gemm_out, Tensor[] params, str program, bool[] needs_grad)
+        -> Tensor[]
 
-computes ``linear(x, weight, bias)`` followed by ``program`` (``fxfuse.program``). Every device runs the
-reference interpreter, except CUDA once ``fxfuse.kernels`` has loaded its kernels, whose
-``TORCH_LIBRARY_IMPL(fxfuse, CUDA, ...)`` takes precedence. The fake implementation is the same reference
+Every device runs the reference interpreter, except CUDA once ``fxfuse.kernels`` has loaded its kernels, whose
+``TORCH_LIBRARY_IMPL(fxfuse, CUDA, ...)`` takes precedence. The fake implementations are the same references
 run on fake tensors, so shapes, dtypes and broadcasting are eager's by construction.
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
+import torch.nn.functional as F
 
-from .program import run_reference
+from .program import run_program, run_reference
 
 logger = logging.getLogger("fxfuse")
 
 NAMESPACE = "fxfuse"
 ARGS = "Tensor x, Tensor weight, Tensor? bias, Tensor[] params, str program"
-SCHEMAS = {
-    "gemm_epilogue": f"({ARGS}) -> Tensor",
-    "gemm_epilogue_fallback": f"({ARGS}, str reason) -> Tensor",
-}
-
-# The gradients for the inputs flagged in needs_grad (x, weight, bias, *params), in that order.
-BACKWARD_SCHEMA = f"(Tensor grad_output, {ARGS}, bool[] needs_grad) -> Tensor[]"
 
 _library = torch.library.Library(NAMESPACE, "DEF")
-
-
-def run_fallback(x, weight, bias, params, program, reason):
-    logger.debug("gemm_epilogue runs the reference: %s", reason)
-    return run_reference(x, weight, bias, params, program)
-
-
-IMPLEMENTATIONS = {"gemm_epilogue": run_reference, "gemm_epilogue_fallback": run_fallback}
-
-
-def _setup_context(ctx, inputs, output):
-    x, weight, bias, params, program = inputs[:5]
-    ctx.program = program
-    ctx.has_bias = bias is not None
-    ctx.num_inputs = len(inputs)
-    ctx.save_for_backward(x, weight, bias, *params)
 
 
 def _shares_memory(a: torch.Tensor, others) -> bool:
     return any(o is not None and torch._C._is_alias_of(a, o) for o in others)
 
 
-def run_reference_backward(grad_output, x, weight, bias, params, program, needs_grad):
-    """The gradients of the reference for the inputs flagged in `needs_grad` (order: x, weight, bias, *params).
+def run_reference_train(x, weight, bias, params, program):
+    """``(out, gemm_out)``: the reference's result and the GEMM output it was computed from, never one memory."""
+    gemm_out = F.linear(x, weight, bias)
+    out = run_program(gemm_out, params, program)
+    return (out.clone() if _shares_memory(out, [gemm_out]) else out), gemm_out
 
-    Each is a fresh contiguous tensor (what the fake implementation promises), zeros where the input is unused.
+
+def _logged(reference, name: str):
+    """`reference` with a trailing `reason` argument, logged at debug level: the fallback of op `name`."""
+
+    def run_fallback(x, weight, bias, params, program, reason):
+        logger.debug("%s runs the reference: %s", name, reason)
+        return reference(x, weight, bias, params, program)
+
+    return run_fallback
+
+
+def _gemm_epilogue_of(program: str):
+    """gemm_epilogue's reference as a function of its tensors (x, weight, bias, *params)."""
+    return lambda x, weight, bias, *params: run_reference(x, weight, bias, params, program)
+
+
+def _epilogue_of(program: str):
+    """The epilogue's reference as a function of its tensors (gemm_out, *params)."""
+    return lambda gemm_out, *params: run_program(gemm_out, params, program)
+
+
+def _reference_gradients(function, grad_output, inputs, needs_grad):
+    """The gradients of ``function(*inputs)`` for the inputs flagged in `needs_grad`, by autograd on the reference.
+
+    Each is a fresh contiguous tensor (what the fake implementations promise), zeros where the input is unused.
     """
-    inputs = [x, weight, bias, *params]
     # A kernel may run with autograd excluded (below the Autograd key, under a dispatch mode): re-include it.
     with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.AutogradFunctionality, False), \
             torch.enable_grad():
         leaves = [t.detach().requires_grad_(bool(need)) if t is not None else None
                   for t, need in zip(inputs, needs_grad)]
         wanted = [leaf for leaf, need in zip(leaves, needs_grad) if need]
-        out = run_reference(leaves[0], leaves[1], leaves[2], leaves[3:], program)
+        out = function(*leaves)
         grads = torch.autograd.grad(out, wanted, grad_output, allow_unused=True) if wanted else ()
     result = []
     for leaf, grad in zip(wanted, grads):
@@ -80,43 +93,139 @@ def run_reference_backward(grad_output, x, weight, bias, params, program, needs_
     return result
 
 
+def run_reference_backward(grad_output, x, weight, bias, params, program, needs_grad):
+    """gemm_epilogue's gradients for the inputs flagged in `needs_grad` (order: x, weight, bias, *params)."""
+    return _reference_gradients(_gemm_epilogue_of(program), grad_output, [x, weight, bias, *params], needs_grad)
+
+
+def run_epilogue_backward(grad_output, gemm_out, params, program, needs_grad):
+    """The epilogue's gradients for the inputs flagged in `needs_grad` (order: gemm_out, *params)."""
+    return _reference_gradients(_epilogue_of(program), grad_output, [gemm_out, *params], needs_grad)
+
+
+def _fake_gradients(inputs, needs_grad):
+    return [t.new_empty(t.shape) for t, need in zip(inputs, needs_grad) if need]
+
+
 def fake_backward(grad_output, x, weight, bias, params, program, needs_grad):
-    return [t.new_empty(t.shape) for t, need in zip([x, weight, bias, *params], needs_grad) if need]
+    return _fake_gradients([x, weight, bias, *params], needs_grad)
+
+
+def fake_epilogue_backward(grad_output, gemm_out, params, program, needs_grad):
+    return _fake_gradients([gemm_out, *params], needs_grad)
+
+
+def _gradients(grad_output, inputs, needs, function, backward_op):
+    """The gradients of ``function(*inputs)`` for the inputs flagged in `needs` (None for the others).
+
+    They come from ``backward_op(needs)``, an op of its own, so the backward stays one opaque call under
+    AOTAutograd and Inductor (which would otherwise re-derive and re-round the recomputation, e.g. making
+    bfloat16 amin's tie mask empty), and it is where fused CUDA backward kernels plug in. Under
+    ``backward(create_graph=True)`` (grad mode on here) `function` is differentiated on the saved inputs
+    themselves instead, so the gradients are differentiable in turn; by ``torch.func.vjp``, which sees `function`
+    alone: ``autograd.grad`` would also run the graph behind a non-leaf input (the kept GEMM output) whenever it
+    reaches another wanted input (a param of the same op).
+    """
+    if grad_output is None or not any(needs):
+        return [None] * len(inputs)
+    if torch.is_grad_enabled():
+        positions = [i for i, need in enumerate(needs) if need]
+
+        def of_wanted(*wanted):
+            args = list(inputs)
+            for i, tensor in zip(positions, wanted):
+                args[i] = tensor
+            return function(*args)
+
+        _, pullback = torch.func.vjp(of_wanted, *(inputs[i] for i in positions))
+        grads = iter(pullback(grad_output))
+    else:
+        grads = iter(backward_op(needs))
+    return [next(grads) if need else None for need in needs]
+
+
+def _flat_needs(ctx) -> list[bool]:
+    """Which of (x, weight, bias, *params) autograd asks gradients for."""
+    return [*ctx.needs_input_grad[:3], *ctx.needs_input_grad[3]]
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, params, program = inputs[:5]
+    ctx.program = program
+    ctx.num_inputs = len(inputs)
+    ctx.save_for_backward(x, weight, bias, *params)
 
 
 def _backward(ctx, grad_output):
-    """Gradients through ``gemm_epilogue_backward``, which recomputes the forward with the reference.
-
-    Being an op of its own, the backward stays one opaque call under AOTAutograd and Inductor (which would
-    otherwise re-derive and re-round the recomputation, e.g. making bfloat16 amin's tie mask empty), and it is
-    where fused CUDA backward kernels plug in. Under ``backward(create_graph=True)`` (grad mode on here) the
-    saved inputs are differentiated in place instead, so the gradients are differentiable in turn.
-    """
+    """gemm_epilogue's gradients: the forward, GEMM included, recomputed and differentiated (``_gradients``)."""
     x, weight, bias, *params = ctx.saved_tensors
-    inputs = [x, weight, bias, *params]
-    needs = [t is not None and t.is_floating_point() and t.requires_grad for t in inputs]
-    if not any(needs):
-        result = [None] * len(inputs)
-    elif torch.is_grad_enabled():
-        wanted = [t for t, need in zip(inputs, needs) if need]
-        out = run_reference(x, weight, bias, params, ctx.program)
-        grads = iter(torch.autograd.grad(out, wanted, grad_output, allow_unused=True, create_graph=True))
-        result = [next(grads) if need else None for need in needs]
-    else:
-        grads = iter(gemm_epilogue_backward(grad_output, x, weight, bias, params, ctx.program, needs))
-        result = [next(grads) if need else None for need in needs]
-    return (result[0], result[1], result[2], result[3:], None) + (None,) * (ctx.num_inputs - 5)
+    grads = _gradients(grad_output, [x, weight, bias, *params], _flat_needs(ctx), _gemm_epilogue_of(ctx.program),
+                       lambda needs: gemm_epilogue_backward(grad_output, x, weight, bias, params, ctx.program, needs))
+    return (grads[0], grads[1], grads[2], grads[3:], None) + (None,) * (ctx.num_inputs - 5)
 
 
-for _name, _schema in SCHEMAS.items():
-    _library.define(_name + _schema)
-    _library.impl(_name, IMPLEMENTATIONS[_name], "CompositeExplicitAutograd")
-    torch.library.register_fake(f"{NAMESPACE}::{_name}", IMPLEMENTATIONS[_name], lib=_library)
-    torch.library.register_autograd(f"{NAMESPACE}::{_name}", _backward, setup_context=_setup_context, lib=_library)
+def _setup_train_context(ctx, inputs, output):
+    x, weight, bias, params, program = inputs[:5]
+    ctx.program = program
+    ctx.num_inputs = len(inputs)
+    ctx.set_materialize_grads(False)  # gemm_out's gradient is mostly undefined: no zeros tensor for it
+    needs_x, needs_weight = x.requires_grad, weight.requires_grad
+    ctx.save_for_backward(x if needs_weight else None, weight if needs_x else None, output[1], *params)
 
-_library.define("gemm_epilogue_backward" + BACKWARD_SCHEMA)
-_library.impl("gemm_epilogue_backward", run_reference_backward, "CompositeExplicitAutograd")
-torch.library.register_fake(f"{NAMESPACE}::gemm_epilogue_backward", fake_backward, lib=_library)
+
+def _linear_gradients(grad_y, x, weight, needs):
+    """The gradients of ``y = linear(x, weight, bias)`` for those of (x, weight, bias) flagged in `needs`, from
+    y's gradient; x may have leading dims. (x is read only for weight's gradient, weight only for x's.)"""
+    needs_x, needs_weight, needs_bias = needs
+    if grad_y is None:
+        return None, None, None
+    grad_rows = grad_y.reshape(-1, grad_y.shape[-1])
+    grad_x = grad_y @ weight if needs_x else None
+    grad_weight = grad_rows.t() @ x.reshape(-1, x.shape[-1]) if needs_weight else None
+    grad_bias = grad_rows.sum(0) if needs_bias else None
+    return grad_x, grad_weight, grad_bias
+
+
+def _train_backward(ctx, grad_output, grad_gemm_out):
+    """gemm_epilogue_train's gradients: the epilogue's from the kept GEMM output (``_gradients`` through
+    ``epilogue_backward``), then the linear's with aten ops; no recompute GEMM."""
+    x, weight, gemm_out, *params = ctx.saved_tensors
+    needs = _flat_needs(ctx)
+    linear_needs = needs[:3]
+    grad_y, *grad_params = _gradients(
+        grad_output, [gemm_out, *params], [any(linear_needs), *needs[3:]], _epilogue_of(ctx.program),
+        lambda epilogue_needs: epilogue_backward(grad_output, gemm_out, params, ctx.program, epilogue_needs))
+    if grad_gemm_out is not None and any(linear_needs):
+        grad_y = grad_gemm_out if grad_y is None else grad_y + grad_gemm_out
+    grad_x, grad_weight, grad_bias = _linear_gradients(grad_y, x, weight, linear_needs)
+    return (grad_x, grad_weight, grad_bias, grad_params, None) + (None,) * (ctx.num_inputs - 5)
+
+
+def _define(name: str, schema: str, implementation, fake=None, backward=None, setup_context=None) -> None:
+    """One op: its schema, its reference for every device, its fake implementation and its autograd, if any."""
+    _library.define(name + schema)
+    _library.impl(name, implementation, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"{NAMESPACE}::{name}", fake or implementation, lib=_library)
+    if backward is not None:
+        torch.library.register_autograd(f"{NAMESPACE}::{name}", backward, setup_context=setup_context, lib=_library)
+
+
+_inference = functools.partial(_define, backward=_backward, setup_context=_setup_context)
+_training = functools.partial(_define, backward=_train_backward, setup_context=_setup_train_context)
+_inference("gemm_epilogue", f"({ARGS}) -> Tensor", run_reference)
+_inference("gemm_epilogue_fallback", f"({ARGS}, str reason) -> Tensor", _logged(run_reference, "gemm_epilogue"))
+_training("gemm_epilogue_train", f"({ARGS}) -> (Tensor, Tensor)", run_reference_train)
+_training("gemm_epilogue_train_fallback", f"({ARGS}, str reason) -> (Tensor, Tensor)",
+          _logged(run_reference_train, "gemm_epilogue_train"))
+# The gradients for the inputs flagged in needs_grad, in the order of the tensors before it.
+_define("gemm_epilogue_backward", f"(Tensor grad_output, {ARGS}, bool[] needs_grad) -> Tensor[]",
+        run_reference_backward, fake_backward)
+_define("epilogue_backward",
+        "(Tensor grad_output, Tensor gemm_out, Tensor[] params, str program, bool[] needs_grad) -> Tensor[]",
+        run_epilogue_backward, fake_epilogue_backward)
 
 gemm_epilogue = torch.ops.fxfuse.gemm_epilogue.default
+gemm_epilogue_train = torch.ops.fxfuse.gemm_epilogue_train.default
 gemm_epilogue_backward = torch.ops.fxfuse.gemm_epilogue_backward.default
+epilogue_backward = torch.ops.fxfuse.epilogue_backward.default
+FUSED_OPS = (gemm_epilogue, gemm_epilogue_train)

@@ -1,6 +1,7 @@
 """The program IR of the fused op, and its reference interpreter.
 
-Entry points: ``Program`` (``Program.parse(text)``, ``str(program)``) and ``run_reference``.
+Entry points: ``Program`` (``Program.parse(text)``, ``str(program)``), ``run_program`` (the program on a given
+GEMM output) and ``run_reference`` (the GEMM, then the program).
 
 A program is a straight-line list of epilogue instructions in SSA form, serialized as text such as
 
@@ -111,10 +112,10 @@ class Program:
         return Program(tuple(instructions))
 
 
-def run_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  params: Sequence[torch.Tensor], program: str) -> torch.Tensor:
-    """Interpret ``program`` with each op's plain-PyTorch reference, in eager's op order, on any device."""
-    values = [F.linear(x, weight, bias)]
+def run_program(y: torch.Tensor, params: Sequence[torch.Tensor], program: str) -> torch.Tensor:
+    """Interpret ``program`` on the GEMM output ``y`` (``%0``) with each op's plain-PyTorch reference, in eager's
+    op order, on any device."""
+    values = [y]
     for instruction in Program.parse(program).instructions:
         args = []
         for operand in instruction.operands:
@@ -126,3 +127,9 @@ def run_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                 args.append(operand)
         values.append(EPILOGUE_OPS[instruction.op].reference(*args, **instruction.attr_dict))
     return values[-1]
+
+
+def run_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  params: Sequence[torch.Tensor], program: str) -> torch.Tensor:
+    """``linear(x, weight, bias)``, then ``program`` on it (``run_program``)."""
+    return run_program(F.linear(x, weight, bias), params, program)

@@ -14,6 +14,7 @@ class FusedRow:
     replaced: list[str]  # names of the graph nodes the fused op replaced
     program: str         # the epilogue program (fxfuse.program)
     fused_node: str
+    op: str = "gemm_epilogue"  # the fused op: gemm_epilogue, or gemm_epilogue_train in a training graph
 
 
 @dataclass
@@ -40,6 +41,10 @@ class Report:
             lines.append(_table(["#", "where", "replaced nodes", "epilogue program"],
                                 [[str(i), r.location, ", ".join(r.replaced), r.program.replace(";", "; ")]
                                  for i, r in enumerate(self.fused, 1)]))
+            training = sum(r.op == "gemm_epilogue_train" for r in self.fused)
+            if training:
+                lines.append(f"{training} of them for training (gemm_epilogue_train: the backward reuses the GEMM "
+                             "output)")
         if self.near_misses:
             lines.append("not fused:")
             lines.append(_table(["where", "node", "reason"],

@@ -1,11 +1,13 @@
 """Rewriting: the pass that replaces each legal region of a GraphModule with one fused-op call.
 
-Entry point: ``fuse_graph(gm) -> Report``; it rewrites ``gm`` in place. The same pass serves ``optimize()``
-(graphs from symbolic tracing) and the torch.compile backend (graphs from Dynamo).
+Entry point: ``fuse_graph(gm, training=False) -> Report``; it rewrites ``gm`` in place. The same pass serves
+``optimize()`` (graphs from symbolic tracing) and the torch.compile backend (graphs from Dynamo). Training graphs
+get ``gemm_epilogue_train`` (whose backward reuses the GEMM output it keeps), others ``gemm_epilogue``.
 """
 from __future__ import annotations
 
 import logging
+import operator
 import re
 
 import torch
@@ -13,7 +15,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .canonicalize import LINEAR, Attr, canonicalize
-from .library import gemm_epilogue
+from .library import gemm_epilogue, gemm_epilogue_train
 from .match import Facts, Region, find_region
 from .report import FusedRow, MissRow, Report
 
@@ -51,7 +53,11 @@ def require_eval_mode(module: nn.Module, path: str) -> None:
                            "(or use torch.compile(model, backend='fxfuse'), which recompiles on a mode change)")
 
 
-def _replace(gm: fx.GraphModule, region: Region, position: dict) -> fx.Node:
+def _copy_meta(node: fx.Node, source: fx.Node, keys) -> None:
+    node.meta.update({k: v for k, v in source.meta.items() if k in keys})
+
+
+def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool) -> fx.Node:
     graph = gm.graph
     last = max(region.members, key=position.get)
     after = last.next
@@ -65,9 +71,16 @@ def _replace(gm: fx.GraphModule, region: Region, position: dict) -> fx.Node:
             weight = graph.call_function(torch.t, (weight,))
         args = (region.x, weight, _tensor_node(graph, region.bias),
                 [_tensor_node(graph, p) for p in region.params], str(region.program))
-        fused = graph.call_function(gemm_epilogue, args)
-    fused.meta.update({k: v for k, v in region.output.meta.items() if k in ("val", "tensor_meta", "example_value",
-                                                                            "nn_module_stack", "stack_trace")})
+        if training:
+            pair = graph.call_function(gemm_epilogue_train, args)
+            fused = graph.call_function(operator.getitem, (pair, 0))
+            _copy_meta(pair, region.output, ("nn_module_stack", "stack_trace"))
+            for key in ("val", "example_value"):  # the GEMM output has the anchor's shape and dtype
+                if key in region.output.meta and key in region.anchor.meta:
+                    pair.meta[key] = (region.output.meta[key], region.anchor.meta[key])
+        else:
+            fused = graph.call_function(gemm_epilogue, args)
+    _copy_meta(fused, region.output, ("val", "tensor_meta", "example_value", "nn_module_stack", "stack_trace"))
     region.output.replace_all_uses_with(fused)
     # New nodes get fractional positions between `last` and `after`, so graph order stays known.
     new_nodes, node = [], last.next
@@ -82,8 +95,12 @@ def _replace(gm: fx.GraphModule, region: Region, position: dict) -> fx.Node:
     return fused
 
 
-def fuse_graph(gm: fx.GraphModule, where: str = "") -> Report:
-    """Fuse every legal GEMM-epilogue region of `gm`, in graph order. Returns what was done and not done."""
+def fuse_graph(gm: fx.GraphModule, where: str = "", training: bool = False) -> Report:
+    """Fuse every legal GEMM-epilogue region of `gm`, in graph order. Returns what was done and not done.
+
+    `training`: the graph will be differentiated, so each region becomes ``gemm_epilogue_train``, which keeps
+    its GEMM output for the backward; else ``gemm_epilogue``, whose epilogue runs in place.
+    """
     report = Report()
     canon = canonicalize(gm)
     facts = Facts(gm)
@@ -100,10 +117,11 @@ def fuse_graph(gm: fx.GraphModule, where: str = "") -> Report:
         if region is None:
             continue
         replaced = [m.name for m in sorted(region.members, key=facts.position.get)]
-        fused = _replace(gm, region, facts.position)
+        fused = _replace(gm, region, facts.position, training)
         facts.replaced[region.output] = fused
         logger.info("fused %s at %s: %s", ", ".join(replaced), location, region.program)
-        report.fused.append(FusedRow(f"{location} ({anchor.name})", replaced, str(region.program), fused.name))
+        report.fused.append(FusedRow(f"{location} ({anchor.name})", replaced, str(region.program), fused.name,
+                                     "gemm_epilogue_train" if training else "gemm_epilogue"))
     for node, c in canon.items():
         if c.op == LINEAR and c.problem and node in facts.position:
             report.near_misses.append(MissRow(prefix + location_of(node), node.name, c.problem))

@@ -13,16 +13,17 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .api import optimize
-from .library import gemm_epilogue
+from .library import FUSED_OPS
 
 DEFAULT_TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.float64: (1e-7, 1e-7),
                      torch.bfloat16: (1.6e-2, 1e-2), torch.float16: (1e-3, 1e-3)}
 
 
 def fused_op_count(module: nn.Module) -> int:
-    """How many fxfuse ops the graphs of `module` (and its submodules) call."""
+    """How many fused ops (``gemm_epilogue`` or ``gemm_epilogue_train``) the graphs of `module` (and its
+    submodules) call."""
     return sum(1 for m in module.modules() if isinstance(m, fx.GraphModule)
-               for n in m.graph.nodes if n.op == "call_function" and n.target is gemm_epilogue)
+               for n in m.graph.nodes if n.op == "call_function" and n.target in FUSED_OPS)
 
 
 def assert_close_report(actual: torch.Tensor, expected: torch.Tensor, rtol=None, atol=None, what="output"):

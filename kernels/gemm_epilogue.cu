@@ -1,16 +1,20 @@
-// The CUDA implementation of torch.ops.fxfuse.gemm_epilogue(x, weight, bias, params, program).
+// The CUDA implementation of torch.ops.fxfuse.gemm_epilogue(x, weight, bias, params, program), and of
+// gemm_epilogue_train (the same, returning y beside the result for the backward).
 //
 //   y = linear(x, weight, bias); then each instruction of `program` (fxfuse/program.py) in order.
-//   Reference: fxfuse/program.py::run_reference, op by op fxfuse/epilogue.py.
+//   Reference: fxfuse/program.py::run_reference (fxfuse/library.py::run_reference_train), op by op
+//   fxfuse/epilogue.py.
 //
 // Strategy: the GEMM runs through ATen (at::linear on x viewed as [M, K], so cuBLAS(Lt) with its bias epilogue
 // and torch's TF32 flags, exactly as eager), then ONE launch of the epilogue interpreter (interpreter.cuh) reads
-// y once and writes it once, in place. The program text is parsed once per distinct string and cached; each
-// call binds it to the shapes at hand (a few hundred host instructions) into a compact instruction array that
-// the kernel receives by value. A program whose value outgrows the rows by broadcasting (row min + a
-// (1, N, 1, 1) bias gives (1, N, M, 1)) runs its row phase, then a second launch for its pointwise tail.
+// y once and writes it once, in place (gemm_epilogue_train: into a tensor of its own, as y is returned too).
+// The program text is parsed once per distinct string and cached; each call binds it to the shapes at hand (a
+// few hundred host instructions) into a compact instruction array that the kernel receives by value. A program
+// whose value outgrows the rows by broadcasting (row min + a (1, N, 1, 1) bias gives (1, N, M, 1)) runs its row
+// phase, then a second launch for its pointwise tail.
 //
-// Limits (anything else runs the reference through fxfuse::gemm_epilogue_fallback, with the reason logged):
+// Limits (anything else runs the reference through fxfuse::gemm_epilogue_fallback, or gemm_epilogue_train_fallback,
+// with the reason logged):
 // fp32 / bf16 / fp16, every tensor of one dtype, contiguous x, weight, bias, on one CUDA device; M >= 1;
 // N <= 16384 (8192 for programs that keep values for later); norms and reductions over the last dim of a full
 // row (group_norm and batch_norm of a 2-D x only); group sizes off the lanes' power-of-2 grid need N <= 12288
@@ -30,6 +34,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
@@ -640,6 +645,18 @@ at::Tensor run_fallback(const at::Tensor& x, const at::Tensor& weight, const std
   return fallback.call(x, weight, bias, params, program, reason);
 }
 
+using Outputs = std::tuple<at::Tensor, at::Tensor>;  // (out, gemm_out) of gemm_epilogue_train
+using TrainFallbackFn = Outputs(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, at::TensorList,
+                                c10::string_view, c10::string_view);
+
+Outputs run_train_fallback(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                           at::TensorList params, c10::string_view program, const std::string& reason) {
+  static const auto fallback = c10::Dispatcher::singleton()
+                                   .findSchemaOrThrow("fxfuse::gemm_epilogue_train_fallback", "")
+                                   .typed<TrainFallbackFn>();
+  return fallback.call(x, weight, bias, params, program, reason);
+}
+
 // Why the kernels cannot take these tensors, or "".
 std::string check_inputs(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                          at::TensorList params) {
@@ -675,12 +692,18 @@ void launch(const Binding& binding, const RowProgram& row, const std::optional<R
   if (binding.has_tail) launch_broadcast_tail<Storage>(tail, stream);
 }
 
-at::Tensor gemm_epilogue_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                              at::TensorList params, c10::string_view program_text) {
+// The fused op: (out, an undefined tensor), or with keep_gemm_output (gemm_epilogue_train) (out, y), where the
+// epilogue writes a tensor of its own instead of y.
+Outputs run_gemm_epilogue(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                          at::TensorList params, c10::string_view program_text, bool keep_gemm_output) {
+  const auto fallback = [&](const std::string& why) -> Outputs {
+    if (keep_gemm_output) return run_train_fallback(x, weight, bias, params, program_text, why);
+    return {run_fallback(x, weight, bias, params, program_text, why), at::Tensor()};
+  };
   std::string reason = check_inputs(x, weight, bias, params);
-  if (!reason.empty()) return run_fallback(x, weight, bias, params, program_text, reason);
+  if (!reason.empty()) return fallback(reason);
   const auto program = cached_program(std::string(program_text));
-  if (!program->error.empty()) return run_fallback(x, weight, bias, params, program_text, program->error);
+  if (!program->error.empty()) return fallback(program->error);
 
   const c10::cuda::CUDAGuard device_guard(x.device());
   const int64_t features = weight.size(0);
@@ -694,15 +717,15 @@ at::Tensor gemm_epilogue_cuda(const at::Tensor& x, const at::Tensor& weight, con
 
   Binding binding;
   reason = bind(ctx, binding);
-  if (!reason.empty()) return run_fallback(x, weight, bias, params, program_text, reason);
+  if (!reason.empty()) return fallback(reason);
 
   std::optional<RowLayout> layout;
   int64_t shared_bytes = 0;
   if (!binding.row_code.empty()) {
     layout = choose_row_layout(features);
-    if (!layout) return run_fallback(x, weight, bias, params, program_text, "rows too long for registers");
+    if (!layout) return fallback("rows too long for registers");
     shared_bytes = place_groups(binding.row_code, *layout, vec, features);
-    if (shared_bytes < 0) return run_fallback(x, weight, bias, params, program_text, "group layout needs > 48 KB");
+    if (shared_bytes < 0) return fallback("group layout needs > 48 KB");
   }
 
   // The GEMM: ATen, so cuBLAS and torch's precision flags exactly as eager.
@@ -717,6 +740,7 @@ at::Tensor gemm_epilogue_cuda(const at::Tensor& x, const at::Tensor& weight, con
     row.input = y.data_ptr();
     row.output_per_row = binding.row_result_kind != RowShape::Full;
     if (row.output_per_row) row_result = at::empty({rows}, y.options());
+    else if (keep_gemm_output) row_result = at::empty_like(y);  // y is returned: the rows go elsewhere
     row.output = row_result.data_ptr();
     row.rows = rows;
     row.features = static_cast<int32_t>(features);
@@ -734,19 +758,30 @@ at::Tensor gemm_epilogue_cuda(const at::Tensor& x, const at::Tensor& weight, con
     tail.num_operands = static_cast<int32_t>(operands.size());
     while (operands.size() < static_cast<size_t>(kMaxTailOperands)) operands.push_back(operands[0]);
     if (!coalesce_tail(binding.output_shape, operands, tail))
-      return run_fallback(x, weight, bias, params, program_text, "broadcast output too large or too many dims");
+      return fallback("broadcast output too large or too many dims");
     std::copy(binding.tail_code.begin(), binding.tail_code.end(), tail.code);
     tail.num_instructions = static_cast<int32_t>(binding.tail_code.size());
     tail.output = output.data_ptr();
   } else {
-    output = row_result.view(binding.output_shape);
+    // An empty program's result is y itself: the training op returns a copy beside it.
+    output = (keep_gemm_output && binding.row_code.empty() ? y.clone() : row_result).view(binding.output_shape);
   }
 
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   if (x.scalar_type() == at::kFloat) launch<Fp32Storage>(binding, row, layout, shared_bytes, tail, stream);
   else if (x.scalar_type() == at::kBFloat16) launch<Bf16Storage>(binding, row, layout, shared_bytes, tail, stream);
   else launch<Fp16Storage>(binding, row, layout, shared_bytes, tail, stream);
-  return output;
+  return {output, keep_gemm_output ? y.view(ctx.full) : at::Tensor()};
+}
+
+at::Tensor gemm_epilogue_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                              at::TensorList params, c10::string_view program_text) {
+  return std::get<0>(run_gemm_epilogue(x, weight, bias, params, program_text, false));
+}
+
+Outputs gemm_epilogue_train_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                                 at::TensorList params, c10::string_view program_text) {
+  return run_gemm_epilogue(x, weight, bias, params, program_text, true);
 }
 
 }  // namespace
@@ -756,4 +791,7 @@ TORCH_LIBRARY_FRAGMENT(fxfuse, m) {
   m.def("cuda_supported_ops() -> str", [] { return fxfuse::supported_ops(); });
 }
 
-TORCH_LIBRARY_IMPL(fxfuse, CUDA, m) { m.impl("gemm_epilogue", &fxfuse::gemm_epilogue_cuda); }
+TORCH_LIBRARY_IMPL(fxfuse, CUDA, m) {
+  m.impl("gemm_epilogue", &fxfuse::gemm_epilogue_cuda);
+  m.impl("gemm_epilogue_train", &fxfuse::gemm_epilogue_train_cuda);
+}

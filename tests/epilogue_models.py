@@ -10,10 +10,13 @@ computes nothing but fused ops (a transposed weight view aside).
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from fxfuse.library import FUSED_OPS, gemm_epilogue_train
 from fxfuse.rewrite import require_eval_mode
 from fxfuse.testing import assert_fuses
 
@@ -38,7 +41,8 @@ class GemmThen(nn.Module):
 
 
 # Nodes a fully fused graph may still hold besides the fused ops (and their eval-mode checks): inputs,
-# attributes, the output, and the transpose of a weight that the GEMM reads as `x @ W`.
+# attributes, the output, the transpose of a weight that the GEMM reads as `x @ W`, and the result taken out of
+# a training op's (out, gemm_out).
 _BOOKKEEPING = {"placeholder", "get_attr", "output"}
 
 
@@ -49,7 +53,9 @@ def leftover_compute(module: nn.Module) -> list[str]:
         for node in graph_module.graph.nodes:
             if node.op in _BOOKKEEPING:
                 continue
-            if node.target in (torch.ops.fxfuse.gemm_epilogue.default, require_eval_mode):
+            if node.target in (*FUSED_OPS, require_eval_mode):
+                continue
+            if node.target is operator.getitem and node.args[0].target is gemm_epilogue_train:
                 continue
             if node.target is torch.t and node.args[0].op == "get_attr":
                 continue

@@ -4,6 +4,7 @@ break of its own.
 """
 import importlib.metadata
 import logging
+import operator
 import subprocess
 import sys
 import textwrap
@@ -20,6 +21,8 @@ from fxfuse.testing import assert_close_report, assert_gradients_match
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 gemm_epilogue = torch.ops.fxfuse.gemm_epilogue.default
+gemm_epilogue_train = torch.ops.fxfuse.gemm_epilogue_train.default
+TRAINING_FUSED = [gemm_epilogue_train, operator.getitem]  # a training graph's fused op and its result
 EXAMPLES = {path.stem: path for path in example_files()}
 
 
@@ -84,7 +87,7 @@ def test_options_choose_the_inner_compiler(caplog):
     recorder = GraphRecorder()
     compiled = torch.compile(model, backend="fxfuse", options={"inner": recorder})
     assert_close_report(compiled(*inputs), model(*inputs))
-    assert recorder.targets() == [gemm_epilogue]
+    assert recorder.targets() == TRAINING_FUSED
 
     torch._dynamo.reset()
     with caplog.at_level(logging.INFO, logger="fxfuse"):
@@ -142,7 +145,7 @@ def test_graph_break_outside_the_region_is_dynamos_own():
     x = torch.randn(4, 8)
     assert_close_report(compiled(x), model(x))
     assert len(recorder.graphs) == 2  # the user's break only
-    assert all(recorder.targets(i) == [gemm_epilogue] for i in range(2))
+    assert all(recorder.targets(i) == TRAINING_FUSED for i in range(2))
 
 
 def test_compiling_an_optimized_model_keeps_its_fused_op():
@@ -163,14 +166,45 @@ def test_inductor_on_cpu_trains_through_the_fused_op():
     compiled = torch.compile(model, backend=backend)
     x = inputs[0].clone().requires_grad_()
     _, (forward_code, backward_code) = run_and_get_code(lambda: compiled(x).sum().backward())
-    assert "torch.ops.fxfuse.gemm_epilogue.default(" in forward_code
-    assert "torch.ops.fxfuse.gemm_epilogue_backward.default(" in backward_code
+    assert "torch.ops.fxfuse.gemm_epilogue_train.default(" in forward_code
+    assert "torch.ops.fxfuse.epilogue_backward.default(" in backward_code
+    assert "gemm_epilogue_backward" not in backward_code  # the kept GEMM output: no recompute GEMM
     # Inductor reorders the backward's reductions (the weight gradient sums 64 rows of magnitude ~50): plain
     # Inductor is off eager by the same ~3e-5 here.
     assert_gradients_match(model, compiled, inputs, rtol=1e-4, atol=1e-4)
     assert [len(r.fused) for r in backend.reports] == [1]
     with torch.no_grad():
         assert_close_report(compiled(*inputs), model(*inputs))
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_training_graphs_get_the_training_op(grad):
+    """Under grad mode with parameters to train, the fused op keeps its GEMM output for the backward; under
+    no_grad it is the in-place inference op. Dynamo guards grad mode, so each mode gets its own graph."""
+    model, inputs = load_model_file(EXAMPLES["linear_groupnorm_hardtanh"], small=True).build()
+    recorder = GraphRecorder()
+    backend = fxfuse.make_backend(inner=recorder)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    with torch.no_grad():
+        assert_close_report(compiled(*inputs), model(*inputs))
+    with torch.set_grad_enabled(grad):
+        assert_close_report(compiled(*inputs), model(*inputs))
+    assert [recorder.targets(i) for i in range(len(recorder.graphs))] == \
+        [[gemm_epilogue]] + ([TRAINING_FUSED] if grad else [])
+    assert [[row.op for row in report.fused] for report in backend.reports] == \
+        [["gemm_epilogue"]] + ([["gemm_epilogue_train"]] if grad else [])
+
+
+def test_frozen_model_gets_the_inference_op_unless_its_input_requires_grad():
+    model, inputs = load_model_file(EXAMPLES["linear_groupnorm_hardtanh"], small=True).build()
+    model.requires_grad_(False)
+    recorder = GraphRecorder()
+    compiled = torch.compile(model, backend=fxfuse.make_backend(inner=recorder))
+    assert_close_report(compiled(*inputs), model(*inputs))
+    assert recorder.targets() == [gemm_epilogue]
+    x = inputs[0].clone().requires_grad_()
+    assert_gradients_match(model, compiled, [x], params=[])
+    assert recorder.targets() == TRAINING_FUSED
 
 
 def test_backend_by_name_defaults_to_inductor_with_dynamic_shapes(caplog):

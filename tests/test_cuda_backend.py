@@ -53,16 +53,19 @@ def _resized(inputs, batch):
     return [torch.rand(batch, *t.shape[1:], device=t.device, dtype=t.dtype) for t in inputs]
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
 @pytest.mark.parametrize("precision", sorted(DTYPES))
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
-def test_backend_with_inductor(name, precision, device="cuda"):
+def test_backend_with_inductor(name, precision, grad, device="cuda"):
+    """Under no_grad the inference op; under grad the training op (its CUDA forward, which keeps the GEMM output)."""
     model, inputs = _example_on(name, DTYPES[precision], device)
     backend = fxfuse.make_backend()
     compiled = torch.compile(model, backend=backend, fullgraph=True)
-    with torch.no_grad():
+    with torch.set_grad_enabled(grad):
         out = compiled(*inputs)
-    Judge(model, DTYPES[precision]).check(out, inputs, f"{name} {precision}")
-    assert [len(r.fused) for r in backend.reports] == [1]
+    Judge(model, DTYPES[precision]).check(out.detach(), inputs, f"{name} {precision}")
+    assert [[row.op for row in r.fused] for r in backend.reports] == \
+        [["gemm_epilogue_train" if grad else "gemm_epilogue"]]
 
 
 @pytest.mark.parametrize("dynamic", [True, "mark_dynamic"])

@@ -1,9 +1,12 @@
-"""GPU tests of the CUDA implementation of torch.ops.fxfuse.gemm_epilogue (kernels/), run with `pytest -m cuda`.
+"""GPU tests of the CUDA implementation of torch.ops.fxfuse.gemm_epilogue and gemm_epilogue_train (kernels/), run
+with `pytest -m cuda`.
 
 Every result is compared with the reference interpreter (fxfuse.program.run_reference) run on float64 copies of
 the same inputs, by ||out - ref|| / ||ref|| against the bound of the dtype: 1e-5 fp32 (IEEE GEMM), 5e-4 tf32,
 1e-2 bf16 / fp16. Inputs are fresh random draws (never zeros); outputs that the kernels allocate are poisoned
-with NaN beforehand, and no NaN may appear where the reference has none.
+with NaN beforehand, and no NaN may appear where the reference has none. Every program that `run_and_check`
+runs goes through both ops: the training op's result is judged the same way, and its GEMM output must be
+eager's linear, untouched by the epilogue and in memory of its own.
 """
 import logging
 import os
@@ -102,10 +105,23 @@ def relative_error(got, ref):
 
 
 def run_and_check(program, x, weight, bias, params, bound, out_shape=None):
-    poison_allocator(out_shape or (*x.shape[:-1], weight.shape[0]), dtype=x.dtype)
+    gemm_shape = (*x.shape[:-1], weight.shape[0])
+    poison_allocator(out_shape or gemm_shape, dtype=x.dtype)
     out = torch.ops.fxfuse.gemm_epilogue(x, weight, bias, params, program)
     assert_close_to_reference(out, x, weight, bias, params, program, bound)
+    poison_allocator(out_shape or gemm_shape, gemm_shape, dtype=x.dtype)
+    outputs = torch.ops.fxfuse.gemm_epilogue_train(x, weight, bias, params, program)
+    assert_training_outputs(outputs, x, weight, bias, params, program, bound)
     return out
+
+
+def assert_training_outputs(outputs, x, weight, bias, params, program, bound):
+    """gemm_epilogue_train's (out, gemm_out): the fused result, and apart from it the GEMM output as eager's
+    linear computes it (not overwritten by the epilogue)."""
+    out, gemm_out = outputs
+    assert_close_to_reference(out, x, weight, bias, params, program, bound)
+    assert not torch._C._is_alias_of(out, gemm_out), f"{program}: the training op's outputs share memory"
+    torch.testing.assert_close(gemm_out, torch.nn.functional.linear(x, weight, bias))
 
 
 def test_every_vocabulary_op_is_supported():
@@ -244,6 +260,15 @@ def test_program_families(family, precision):
     run_and_check(program, x, weight, bias, params, bound_for(precision), out_shape)
 
 
+@pytest.mark.parametrize("program", ["", "relu(%0)", "add(%0,$0)"])
+def test_training_op_never_returns_the_gemm_output_as_its_result(program):
+    """An empty program's result is the GEMM output itself: the training op returns a copy beside it."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    x, weight, bias = linear_inputs(64, 96, 128, torch.float32)
+    params = [torch.randn(128, device="cuda")] if "$0" in program else []
+    run_and_check(program, x, weight, bias, params, BOUNDS["fp32"])
+
+
 def test_three_dim_input_with_layer_norm_runs_on_rows():
     x, weight, bias = linear_inputs(None, 129, 256, torch.float32, lead=(4, 50))
     params = [torch.randn(256, device="cuda"), torch.randn(256, device="cuda")]
@@ -325,17 +350,22 @@ FALLBACKS = [
 ]
 
 
+@pytest.mark.parametrize("op", ["gemm_epilogue", "gemm_epilogue_train"])
 @pytest.mark.parametrize("case", range(len(FALLBACKS)), ids=[f[0] for f in FALLBACKS])
-def test_fallback_runs_the_reference_and_logs_why(case, caplog):
+def test_fallback_runs_the_reference_and_logs_why(case, op, caplog):
     torch.backends.cuda.matmul.allow_tf32 = False
     _, make, program, channels, reason = FALLBACKS[case]
     x, weight, bias = make()
     params = [torch.randn(channels, device="cuda", dtype=x.dtype) for _ in range(2)] if channels else []
     with caplog.at_level(logging.DEBUG, logger="fxfuse"):
-        out = torch.ops.fxfuse.gemm_epilogue(x, weight, bias, params, program)
-    assert any(reason in record.getMessage() for record in caplog.records), [r.getMessage() for r in caplog.records]
+        result = getattr(torch.ops.fxfuse, op)(x, weight, bias, params, program)
+    messages = [record.getMessage() for record in caplog.records]
+    assert any(f"{op} runs the reference" in m and reason in m for m in messages), messages
     bound = 1e-12 if x.dtype == torch.float64 else BOUNDS["fp32"]
-    assert_close_to_reference(out, x, weight, bias, params, program, bound)
+    if op == "gemm_epilogue":
+        assert_close_to_reference(result, x, weight, bias, params, program, bound)
+    else:
+        assert_training_outputs(result, x, weight, bias, params, program, bound)
 
 
 def test_errors_are_eager_errors():

@@ -1,6 +1,8 @@
-"""GPU training through the fused op (``pytest -m cuda``): float32 and bfloat16 gradients of the four examples
-match eager, under optimize() and torch.compile(backend="fxfuse"), and an optimizer step on the GPU is
-eager's step. Skipped without a GPU (tests/conftest.py).
+"""GPU training through the fused ops (``pytest -m cuda``): float32 and bfloat16 gradients of the four examples
+match eager, under optimize() of the model in train mode (the training op, gemm_epilogue_train: its CUDA forward
+keeps the GEMM output, the backward reuses it) and in eval mode (the inference op, whose backward recomputes the
+forward), and under torch.compile(backend="fxfuse") (the training op, through Inductor); an optimizer step on
+the GPU is eager's step. Skipped without a GPU (tests/conftest.py).
 
 bfloat16 is judged against a float64 reference: the fused gradients may be no further from it than twice
 eager bfloat16's own distance, plus a small floor.
@@ -25,8 +27,16 @@ def _example_on(name, device, dtype=torch.float32):
     return model.to(device, dtype), [t.to(device, dtype) for t in inputs]
 
 
+HOW = ["optimize-train", "optimize-eval", "compile"]
+
+
+def _ops(report) -> list[str]:
+    return [row.op for row in report.fused]
+
+
 class _CheckedCompile:
-    """torch.compile with the fxfuse backend (Inductor on the GPU) that checks, once called, what was fused."""
+    """torch.compile with the fxfuse backend (Inductor on the GPU) that checks, once called, what was fused: one
+    training op per graph, as the graphs are compiled under grad mode."""
 
     def __init__(self, model):
         self.backend = fxfuse.make_backend()
@@ -34,19 +44,20 @@ class _CheckedCompile:
 
     def __call__(self, *inputs):
         out = self.compiled(*inputs)
-        assert self.backend.reports and all(len(r.fused) == 1 for r in self.backend.reports)
+        assert self.backend.reports and all(_ops(r) == ["gemm_epilogue_train"] for r in self.backend.reports)
         return out
 
 
 def _fused(model, inputs, how):
-    if how == "optimize":
-        optimized = fxfuse.optimize(model, inputs)
-        assert fused_op_count(optimized) == 1
-        return optimized
-    return _CheckedCompile(model)
+    if how == "compile":
+        return _CheckedCompile(model)
+    optimized = fxfuse.optimize(model.train(how == "optimize-train"), inputs)
+    assert fused_op_count(optimized) == 1
+    assert _ops(optimized.fxfuse_report) == ["gemm_epilogue_train" if how == "optimize-train" else "gemm_epilogue"]
+    return optimized
 
 
-@pytest.mark.parametrize("how", ["optimize", "compile"])
+@pytest.mark.parametrize("how", HOW)
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
 def test_float32_gradients_match_eager(name, how, device="cuda"):
     model, inputs = _example_on(name, device)
@@ -57,7 +68,7 @@ def _relative_errors(grads, reference):
     return [((g.double() - r).abs().max() / r.abs().max().clamp_min(1e-12)).item() for g, r in zip(grads, reference)]
 
 
-@pytest.mark.parametrize("how", ["optimize", "compile"])
+@pytest.mark.parametrize("how", HOW)
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
 def test_bfloat16_gradients_as_close_to_float64_as_eager(name, how, device="cuda"):
     model, inputs = _example_on(name, device, torch.bfloat16)
@@ -92,8 +103,11 @@ def test_adamw_steps_match_eager(how, device="cuda"):
     eager = MLP().to(device)
     fused_copy = copy.deepcopy(eager)
     data = [(torch.randn(64, 256, device=device), torch.randint(0, 10, (64,), device=device)) for _ in range(3)]
-    model = fxfuse.optimize(fused_copy, (data[0][0],)) if how == "optimize" else \
-        torch.compile(fused_copy, backend="fxfuse")
+    if how == "optimize":
+        model = fxfuse.optimize(fused_copy, (data[0][0],))
+        assert _ops(model.fxfuse_report) == ["gemm_epilogue_train"] * 2
+    else:
+        model = torch.compile(fused_copy, backend="fxfuse")
     for net in (eager, model):
         optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
         for x, target in data:

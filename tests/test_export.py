@@ -3,6 +3,7 @@ gives export the shapes), the program runs and matches eager, with a dynamic bat
 run_decompositions(), and through torch.export.save / load.
 """
 import io
+import operator
 
 import pytest
 import torch
@@ -81,6 +82,22 @@ def test_exported_eval_model_with_folded_batch_norm_and_second_input():
     assert _ops(program) == [gemm_epilogue]
     with torch.no_grad():
         assert_close_report(program.module()(*inputs), model(*inputs))
+
+
+def test_exported_train_mode_model_keeps_the_training_op_and_trains():
+    """A train-mode model's training op stays in the exported program (export takes each of its outputs out)."""
+    model, inputs = load_model_file(EXAMPLES["linear_groupnorm_min_bias"], small=True).build()
+    optimized = fxfuse.optimize(model.train(), inputs)
+    program = _export(optimized, inputs)
+    ops = _ops(program)
+    assert ops[0] is torch.ops.fxfuse.gemm_epilogue_train.default and set(ops[1:]) == {operator.getitem}, ops
+    with torch.no_grad():
+        assert_close_report(program.module()(*inputs), model(*inputs))
+    exported = program.module()
+    x = inputs[0].clone().requires_grad_()
+    (grad,) = torch.autograd.grad(exported(x).square().sum(), [x])
+    (expected,) = torch.autograd.grad(model(x).square().sum(), [x])
+    assert_close_report(grad, expected, rtol=1e-4, atol=1e-5, what="gradient of x")
 
 
 def test_exported_program_trains():

@@ -1,16 +1,17 @@
-"""The fused op itself: torch.library.opcheck, gradcheck in float64, fake (meta) shapes, and the program IR.
+"""The fused ops themselves: torch.library.opcheck, gradcheck in float64, fake (meta) shapes, and the program IR.
 
-``torch.ops.fxfuse.gemm_epilogue`` and ``gemm_epilogue_fallback`` are checked on programs that cover every
-kind of epilogue op: pointwise with parameters, norms, reductions with and without keepdim, broadcasting to
-a larger output, residual reads of earlier values, no bias, 3-D inputs.
+``torch.ops.fxfuse.gemm_epilogue``, ``gemm_epilogue_train``, their fallbacks and ``epilogue_backward`` are
+checked on programs that cover every kind of epilogue op: pointwise with parameters, norms, reductions with and
+without keepdim, broadcasting to a larger output, residual reads of earlier values, no bias, 3-D inputs.
 """
 import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fxfuse.program import Program, run_reference
+from fxfuse.program import Program, run_program, run_reference
 from fxfuse.testing import assert_close_report
 
 N = 12  # output features
@@ -55,20 +56,24 @@ def make_args(name, dtype=torch.float32, requires_grad=False):
 
 
 OPS = {"gemm_epilogue": lambda: torch.ops.fxfuse.gemm_epilogue.default,
-       "gemm_epilogue_fallback": lambda: torch.ops.fxfuse.gemm_epilogue_fallback.default}
+       "gemm_epilogue_fallback": lambda: torch.ops.fxfuse.gemm_epilogue_fallback.default,
+       "gemm_epilogue_train": lambda: torch.ops.fxfuse.gemm_epilogue_train.default,
+       "gemm_epilogue_train_fallback": lambda: torch.ops.fxfuse.gemm_epilogue_train_fallback.default}
 
 
 def call_args(op_name, args):
-    return args + ("a test of the fallback",) if op_name == "gemm_epilogue_fallback" else args
+    return args + ("a test of the fallback",) if op_name.endswith("_fallback") else args
 
 
 # Every program through the op with gradients; a few without, and through the fallback (each opcheck is ~1 s).
 SOME = ["relu", "workload-1", "workload-2-broadcast", "outside-operand"]
-OPCHECK_CASES = (
-    [pytest.param("gemm_epilogue", name, True, id=f"gemm_epilogue-{name}-grad") for name in programs()]
-    + [pytest.param("gemm_epilogue", name, False, id=f"gemm_epilogue-{name}-no-grad") for name in SOME]
-    + [pytest.param("gemm_epilogue_fallback", name, grad, id=f"fallback-{name}-{'grad' if grad else 'no-grad'}")
-       for name in SOME for grad in (True, False)])
+OPCHECK_CASES = [
+    pytest.param(op, name, grad, id=f"{op}-{name}-{'grad' if grad else 'no-grad'}")
+    for op in ("gemm_epilogue", "gemm_epilogue_train")
+    for name, grad in [(name, True) for name in programs()] + [(name, False) for name in SOME]
+] + [
+    pytest.param(op, name, grad, id=f"{op}-{name}-{'grad' if grad else 'no-grad'}")
+    for op in ("gemm_epilogue_fallback", "gemm_epilogue_train_fallback") for name in SOME for grad in (True, False)]
 
 
 @pytest.mark.parametrize("op_name, name, requires_grad", OPCHECK_CASES)
@@ -77,11 +82,21 @@ def test_opcheck(op_name, name, requires_grad):
     torch.library.opcheck(OPS[op_name](), args)
 
 
+@pytest.mark.parametrize("name", SOME + ["softmax-3-D", "logsumexp-keepdim-sub", "batch_norm"])
+def test_epilogue_backward_opcheck(name):
+    x, weight, bias, params, program = make_args(name)
+    gemm_out = F.linear(x, weight, bias)
+    grad_output = torch.randn_like(run_program(gemm_out, params, program))
+    needs = [True] + [not (name == "batch_norm" and i < 2) for i in range(len(params))]  # no running stats
+    torch.library.opcheck(torch.ops.fxfuse.epilogue_backward.default, (grad_output, gemm_out, params, program, needs))
+
+
 FULL_GRADCHECK = {"relu", "outside-operand"}  # the whole Jacobian, column by column
 
 
+@pytest.mark.parametrize("op_name", ["gemm_epilogue", "gemm_epilogue_train"])
 @pytest.mark.parametrize("name", list(programs()))
-def test_gradcheck_in_float64(name):
+def test_gradcheck_in_float64(name, op_name):
     x, weight, bias, params, program = make_args(name, dtype=torch.float64, requires_grad=True)
     if "abs" in program:
         x = (x.detach() + 3.0).requires_grad_()  # keep away from abs's kink at 0
@@ -91,7 +106,7 @@ def test_gradcheck_in_float64(name):
         x_, w_ = ts[0], ts[1]
         b_ = ts[2] if bias is not None else None
         rest = list(ts[3:] if bias is not None else ts[2:])
-        return torch.ops.fxfuse.gemm_epilogue(x_, w_, b_, rest, program)
+        return OPS[op_name]()(x_, w_, b_, rest, program)
 
     # fast_mode checks a random projection of the Jacobian: the same bugs, a fraction of the time.
     assert torch.autograd.gradcheck(fused, tensors, eps=1e-6, atol=1e-5, fast_mode=name not in FULL_GRADCHECK)
@@ -105,6 +120,15 @@ def test_result_equals_the_reference_interpreter(name):
     assert_close_report(actual, expected, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("name", list(programs()) + ["empty-program"])
+def test_training_op_returns_the_result_and_the_gemm_output_apart(name):
+    args = make_args(name) if name != "empty-program" else make_args("relu")[:4] + ("",)
+    out, gemm_out = torch.ops.fxfuse.gemm_epilogue_train(*args)
+    assert_close_report(out, run_reference(*args), rtol=0, atol=0)
+    assert_close_report(gemm_out, F.linear(*args[:3]), rtol=0, atol=0, what="gemm_out")
+    assert not torch._C._is_alias_of(out, gemm_out)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("name", list(programs()))
 def test_fake_implementation_gives_eager_shape_and_dtype(name, dtype):
@@ -114,7 +138,10 @@ def test_fake_implementation_gives_eager_shape_and_dtype(name, dtype):
         fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args[:3]]
         fake_params = [mode.from_tensor(p) for p in args[3]]
         out = torch.ops.fxfuse.gemm_epilogue(fake[0], fake[1], fake[2], fake_params, args[4])
+        train_out, gemm_out = torch.ops.fxfuse.gemm_epilogue_train(fake[0], fake[1], fake[2], fake_params, args[4])
     assert out.shape == expected.shape and out.dtype == expected.dtype
+    assert train_out.shape == expected.shape and train_out.dtype == expected.dtype
+    assert gemm_out.shape == (*args[0].shape[:-1], N) and gemm_out.dtype == dtype
 
 
 def test_workload_2_program_broadcasts_to_a_larger_output():

@@ -1,7 +1,9 @@
-"""Training through the fused op: gradients for the input, the GEMM and every epilogue parameter match eager
+"""Training through the fused ops: gradients for the input, the GEMM and every epilogue parameter match eager
 (gradcheck in float64, and optimized / compiled models against eager in float32), an optimizer step is the
 same step as eager's, and train-mode-only ops (Dropout with p > 0, train-mode BatchNorm) keep eager's
-behaviour.
+behaviour. Training graphs call ``gemm_epilogue_train``, whose backward reuses the GEMM output it kept
+(``epilogue_backward``, then the linear's gradients: no recompute GEMM); an inference graph's ``gemm_epilogue``
+stays differentiable by recomputing its forward (``gemm_epilogue_backward``).
 """
 import copy
 
@@ -11,9 +13,12 @@ import torch.nn as nn
 
 import fxfuse
 from fxfuse.modelfile import example_files, load_model_file
+from fxfuse.program import run_program, run_reference
 from fxfuse.testing import assert_close_report, assert_gradients_match, fused_op_count
 
 gemm_epilogue = torch.ops.fxfuse.gemm_epilogue
+gemm_epilogue_train = torch.ops.fxfuse.gemm_epilogue_train
+FUSED = {"gemm_epilogue": gemm_epilogue, "gemm_epilogue_train": gemm_epilogue_train}
 
 M, K, N = 3, 5, 8
 
@@ -40,56 +45,148 @@ def _op_inputs(param_shapes, x_shape=(M, K), bias=True):
     return make(*x_shape), make(N, K), make(N) if bias else None, params
 
 
-@pytest.mark.parametrize("case", sorted(GRADCHECK_PROGRAMS))
-def test_gradcheck_float64(case):
+def _gradcheck_inputs(case):
     program, shapes = GRADCHECK_PROGRAMS[case]
     x, weight, bias, params = _op_inputs(shapes)
     if case == "eval_batch_norm":  # running statistics are buffers: no gradient, and the variance is positive
         params[0].requires_grad_(False)
         params[1] = params[1].detach().abs() + 0.5
+    return program, x, weight, bias, params
+
+
+@pytest.mark.parametrize("kind", sorted(FUSED))
+@pytest.mark.parametrize("case", sorted(GRADCHECK_PROGRAMS))
+def test_gradcheck_float64(case, kind):
+    """The training op is checked on both outputs: the result, and the GEMM output it keeps."""
+    program, x, weight, bias, params = _gradcheck_inputs(case)
 
     def op(x, weight, bias, *params):
-        return gemm_epilogue(x, weight, bias, list(params), program)
+        return FUSED[kind](x, weight, bias, list(params), program)
 
     assert torch.autograd.gradcheck(op, (x, weight, bias, *params))
 
 
-def test_gradcheck_without_bias_and_with_leading_dims():
+@pytest.mark.parametrize("kind", sorted(FUSED))
+def test_gradcheck_without_bias_and_with_leading_dims(kind):
     x, weight, _, params = _op_inputs([(N,), (N,)], x_shape=(2, M, K), bias=False)
     program = "layer_norm(%0,$0,$1,1e-05);hardswish(%1)"
-    assert torch.autograd.gradcheck(lambda x, w, g, b: gemm_epilogue(x, w, None, [g, b], program),
+    assert torch.autograd.gradcheck(lambda x, w, g, b: FUSED[kind](x, w, None, [g, b], program),
                                     (x, weight, *params))
 
 
+@pytest.mark.parametrize("kind", sorted(FUSED))
 @pytest.mark.parametrize("case", ["added_bias_vector_then_mish", "residual_and_outside_input"])
-def test_gradgradcheck_float64(case):
+def test_gradgradcheck_float64(case, kind):
     program, shapes = GRADCHECK_PROGRAMS[case]
     x, weight, bias, params = _op_inputs(shapes)
-    assert torch.autograd.gradgradcheck(lambda *args: gemm_epilogue(args[0], args[1], args[2], list(args[3:]),
-                                                                    program), (x, weight, bias, *params))
+    assert torch.autograd.gradgradcheck(lambda *args: FUSED[kind](args[0], args[1], args[2], list(args[3:]),
+                                                                  program), (x, weight, bias, *params))
+
+
+@pytest.mark.parametrize("case", sorted(GRADCHECK_PROGRAMS))
+def test_epilogue_backward_matches_finite_differences(case):
+    """epilogue_backward's gradients, projected on a random direction, equal the central difference of the
+    epilogue's reference along it (float64)."""
+    program, x, weight, bias, params = _gradcheck_inputs(case)
+    gemm_out = torch.nn.functional.linear(x, weight, bias).detach()
+    params = [p.detach() for p in params]
+    needs = [True] + [case != "eval_batch_norm" or i >= 2 for i in range(len(params))]  # no running statistics
+    inputs = [gemm_out, *params]
+    grad_output = torch.randn_like(run_program(gemm_out, params, program))
+    grads = iter(torch.ops.fxfuse.epilogue_backward(grad_output, gemm_out, params, program, needs))
+    directions = [torch.randn_like(t) if need else torch.zeros_like(t) for t, need in zip(inputs, needs)]
+    eps = 1e-6
+
+    def along(step):
+        moved = [t + step * d for t, d in zip(inputs, directions)]
+        return (run_program(moved[0], moved[1:], program) * grad_output).sum()
+
+    numeric = (along(eps) - along(-eps)) / (2 * eps)
+    analytic = sum((next(grads) * d).sum() for d, need in zip(directions, needs) if need)
+    assert_close_report(analytic, numeric, rtol=1e-6, atol=1e-6, what="directional derivative")
+
+
+def _backward_calls():
+    """A dispatch mode that records, in order, the fxfuse backward ops it sees (with their needs_grad) and GEMMs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    gemms = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+    backward_ops = {torch.ops.fxfuse.gemm_epilogue_backward.default, torch.ops.fxfuse.epilogue_backward.default}
+
+    class RecordBackwardCalls(TorchDispatchMode):
+        calls = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in backward_ops:
+                self.calls.append((func._opname, list(args[-1])))
+            elif func in gemms:
+                self.calls.append(("gemm", None))
+            return func(*args, **(kwargs or {}))
+
+    return RecordBackwardCalls()
+
+
+@pytest.mark.parametrize("trained", ["all", "x", "weight", "bias", "params"])
+def test_training_op_backward_reuses_the_gemm_output(trained):
+    """No recompute GEMM: one epilogue_backward, then a GEMM for x's gradient and one for weight's, if asked."""
+    program, shapes = GRADCHECK_PROGRAMS["group_norm_affine"]
+    x, weight, bias, params = _op_inputs(shapes)
+    if trained != "all":
+        x, weight, bias = [t if name == trained else t.detach() for name, t in zip(("x", "weight", "bias"),
+                                                                                   (x, weight, bias))]
+        params = params if trained == "params" else [p.detach() for p in params]
+    wanted = [t for t in (x, weight, bias, *params) if t.requires_grad]
+    grad_output = torch.randn(M, N, dtype=torch.float64)
+    out, _ = gemm_epilogue_train(x, weight, bias, params, program)
+    with _backward_calls() as recorder:
+        grads = torch.autograd.grad(out, wanted, grad_output)
+    expected = torch.autograd.grad(run_reference(x, weight, bias, params, program), wanted, grad_output)
+    for actual, wanted_grad in zip(grads, expected):
+        assert_close_report(actual, wanted_grad, rtol=1e-10, atol=1e-10)
+    linear_trained = trained in ("all", "x", "weight", "bias")
+    gemms = (trained in ("all", "x")) + (trained in ("all", "weight"))
+    assert recorder.calls == [("epilogue_backward", [linear_trained] + [trained in ("all", "params")] * 2)] \
+        + [("gemm", None)] * gemms
+
+
+@pytest.mark.parametrize("kind", sorted(FUSED))
+def test_double_backward_with_a_parameter_shared_by_two_fused_ops(kind):
+    """backward(create_graph=True) differentiates each op's reference alone: a parameter that both epilogues
+    read (so one op's input depends on it too) gets its gradient once."""
+
+    class SharedScale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(5, 8), nn.Linear(8, 8)
+            self.scale = nn.Parameter(torch.rand(8) + 0.5)
+
+        def forward(self, x):
+            return torch.tanh(self.fc2(torch.relu(self.fc1(x)) * self.scale)) * self.scale
+
+    model = SharedScale().train(kind == "gemm_epilogue_train")
+    x = torch.randn(4, 5)
+    optimized = fxfuse.optimize(model, (x,))
+    assert [row.op for row in optimized.fxfuse_report.fused] == [kind] * 2
+    params = list(model.parameters())
+    results = []
+    for net in (model, optimized):
+        grads = torch.autograd.grad(net(x).square().sum(), params, create_graph=True)
+        results.append(torch.autograd.grad(sum(g.square().sum() for g in grads), params))
+    for (name, _), actual, expected in zip(model.named_parameters(), *reversed(results)):
+        assert_close_report(actual, expected, rtol=1e-4, atol=1e-5, what=f"second-order gradient of {name}")
 
 
 def test_only_requested_gradients_are_computed():
     """The backward op is asked only for the gradients autograd needs (no dX GEMM for a frozen input)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class RecordNeeds(TorchDispatchMode):
-        needs = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.fxfuse.gemm_epilogue_backward.default:
-                self.needs.append(list(args[-1]))
-            return func(*args, **(kwargs or {}))
-
     program, shapes = GRADCHECK_PROGRAMS["group_norm_affine"]
     x, weight, bias, params = _op_inputs(shapes)
     out = gemm_epilogue(x.detach(), weight.detach(), bias, params, program)
-    with RecordNeeds():
+    with _backward_calls() as recorder:
         grads = torch.autograd.grad(out.sum(), [bias, params[1]])
     assert all(g is not None for g in grads)
     # x and weight are detached: no dX or dW. gamma was not asked for, but it requires grad, and that is all
     # a custom op's backward is told (ctx.needs_input_grad says the same), so it is computed too.
-    assert RecordNeeds.needs == [[False, False, True, True, True]]
+    assert recorder.calls == [("gemm_epilogue_backward", [False, False, True, True, True])]
 
 
 # ---------------------------------------------------------------- whole models against eager, float32
@@ -102,12 +199,27 @@ def _example(name, seed=0):
     return model, inputs
 
 
+@pytest.mark.parametrize("mode", ["train", "eval"])
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
-def test_optimized_example_gradients_match_eager(name):
+def test_optimized_example_gradients_match_eager(name, mode):
+    """A train-mode model gets the training op; an eval-mode one the inference op, which trains all the same."""
     model, inputs = _example(name)
-    optimized = fxfuse.optimize(model, inputs)
+    optimized = fxfuse.optimize(model.train(mode == "train"), inputs)
     assert fused_op_count(optimized) == 1
+    expected_op = "gemm_epilogue_train" if mode == "train" else "gemm_epilogue"
+    assert [row.op for row in optimized.fxfuse_report.fused] == [expected_op]
     assert_gradients_match(model, optimized, inputs, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("inputs_require_grad", [False, True])
+def test_frozen_model_gets_the_inference_op_unless_an_example_input_requires_grad(inputs_require_grad):
+    model, inputs = _example("linear_groupnorm_hardtanh")
+    model.train().requires_grad_(False)
+    inputs = [t.clone().requires_grad_(inputs_require_grad) for t in inputs]
+    optimized = fxfuse.optimize(model, inputs)
+    expected_op = "gemm_epilogue_train" if inputs_require_grad else "gemm_epilogue"
+    assert [row.op for row in optimized.fxfuse_report.fused] == [expected_op]
+    assert_gradients_match(model, optimized, inputs, params=[])
 
 
 @pytest.mark.parametrize("inner", ["eager", "aot_eager"])
@@ -163,6 +275,7 @@ def test_optimizer_steps_match_eager(how, optimizer):
     if how == "optimize":
         model = fxfuse.optimize(fused_copy, (data[0][0],))
         assert fused_op_count(model) == 2
+        assert [row.op for row in model.fxfuse_report.fused] == ["gemm_epilogue_train"] * 2
     else:
         backend = fxfuse.make_backend(inner="eager")
         model = torch.compile(fused_copy, backend=backend)
@@ -170,7 +283,7 @@ def test_optimizer_steps_match_eager(how, optimizer):
     expected = _train(eager, 3, optimizer_class, data, **args)
     actual = _train(model, 3, optimizer_class, data, **args)
     if how == "compile":
-        assert sum(len(r.fused) for r in backend.reports) == 2
+        assert [row.op for r in backend.reports for row in r.fused] == ["gemm_epilogue_train"] * 2
     assert actual == pytest.approx(expected, rel=1e-5, abs=1e-6)
     for (name, p_eager), p_fused in zip(eager.named_parameters(), fused_copy.parameters()):
         assert_close_report(p_fused, p_eager, rtol=1e-4, atol=1e-5, what=f"parameter {name} after 3 steps")
