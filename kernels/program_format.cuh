@@ -64,7 +64,7 @@ struct RowProgram {
   Instruction code[kMaxInstructions];
   RowParam params[kMaxParams];
   const void* input;   // the GEMM output, [rows, features] contiguous
-  void* output;        // the same buffer, or [rows] when the program ends in a row reduction
+  void* output;        // [rows, features]: the input itself or a tensor of its own; [rows] after a row reduction
   int64_t rows;
   int32_t features;
   int32_t num_instructions;
