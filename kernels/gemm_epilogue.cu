@@ -686,8 +686,14 @@ void launch(const Binding& binding, const RowProgram& row, const std::optional<R
             int64_t shared_bytes, const TailProgram& tail, cudaStream_t stream) {
   if (!binding.row_code.empty()) {
     const RowLaunch row_launch{layout->rows_per_block, shared_bytes};
-    if (binding.slots_used > 0) launch_row_program<Storage, kMaxSlots>(row, row_launch, stream);
-    else launch_row_program<Storage, 0>(row, row_launch, stream);
+    const bool general = needs_general_row_kernel(row);
+    if (binding.slots_used > 0) {
+      if (general) launch_row_program<Storage, kMaxSlots, true>(row, row_launch, stream);
+      else launch_row_program<Storage, kMaxSlots, false>(row, row_launch, stream);
+    } else {
+      if (general) launch_row_program<Storage, 0, true>(row, row_launch, stream);
+      else launch_row_program<Storage, 0, false>(row, row_launch, stream);
+    }
   }
   if (binding.has_tail) launch_broadcast_tail<Storage>(tail, stream);
 }

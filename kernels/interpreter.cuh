@@ -328,9 +328,10 @@ __device__ __forceinline__ void group_allreduce(typename R::Value (&part)[CHUNKS
 // params, then the staging slots of the next row (offsets in RowProgram and RowParam, set by the launcher).
 extern __shared__ uint4 row_shared[];
 
-template <class S, int CHUNKS>
+template <class S, int CHUNKS, bool GENERAL>
 struct RowContext {
   static constexpr int VEC = S::VEC;
+  static constexpr bool general = GENERAL;  // compiled with the rare paths (launch_row_program)
   using Raw = typename S::Raw;
   const RowProgram& prog;
   int64_t row;  // clamped to the last row for the idle rows of the last block, which compute and never store
@@ -468,11 +469,13 @@ __device__ __forceinline__ void compute_statistic(const Ctx& ctx, const Instruct
   const int cpg = ins.chunks_per_group;
   const int lpg = ins.lanes_per_group;
   if constexpr (S == Statistic::MeanAndRstd) {
-    if (ins.group_mode == GROUP_SHARED) {
-      normalize_groups_in_shared(ctx, ins, cur, shared_rows);
+    if constexpr (Ctx::general) {
+      if (ins.group_mode == GROUP_SHARED) {
+        normalize_groups_in_shared(ctx, ins, cur, shared_rows);
 #pragma unroll
-      for (int c = 0; c < CHUNKS; ++c) s0[c] = 0.0f, s1[c] = 1.0f;
-      return;
+        for (int c = 0; c < CHUNKS; ++c) s0[c] = 0.0f, s1[c] = 1.0f;
+        return;
+      }
     }
     const float inv_size = 1.0f / ins.group_size;
     chunk_sums(ctx, cur, s0, [](int, float v) { return v; });
@@ -673,11 +676,12 @@ __device__ __forceinline__ void stage_params(const RowProgram& prog) {
 // Block: (blockDim.x / TPR) rows of TPR threads, kRowValues values per thread. The grid is persistent (as many
 // blocks as fit on the GPU at once); each block takes every gridDim.x-th group of rows, and on the vector path
 // the next group's row is copied into shared memory while the current one computes.
-template <class S, int SLOTS>
+template <class S, int SLOTS, bool GENERAL>
 __global__ void __launch_bounds__(kMaxRowThreads, 1) row_program_kernel(const __grid_constant__ RowProgram prog) {
   constexpr int VEC = S::VEC;
   constexpr int CHUNKS = kRowValues / VEC;
-  using Ctx = RowContext<S, CHUNKS>;
+  using Ctx = RowContext<S, CHUNKS, GENERAL>;
+  const bool vector_io = !GENERAL || prog.vector_io;  // the lean kernel runs vector rows only
   using Raw = typename Ctx::Raw;
   __shared__ CrossWarp<CHUNKS> cross_warp;
   float* shared_rows = reinterpret_cast<float*>(row_shared);
@@ -695,7 +699,7 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1) row_program_kernel(const __
   };
 
   stage_params<S>(prog);
-  if (prog.vector_io && blockIdx.x < row_groups) stage_row<S, CHUNKS>(prog, clamped_row(blockIdx.x), lane, staging);
+  if (vector_io && blockIdx.x < row_groups) stage_row<S, CHUNKS>(prog, clamped_row(blockIdx.x), lane, staging);
   wait_async_copies();
   __syncthreads();  // every thread's param copies are in
 
@@ -704,7 +708,7 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1) row_program_kernel(const __
     const Ctx ctx{prog, clamped_row(group), lane};
     float cur[CHUNKS][VEC];
     float slots[kSlotStorage<SLOTS>][CHUNKS][VEC];
-    if (prog.vector_io) {
+    if (vector_io) {
       wait_async_copies();
 #pragma unroll
       for (int c = 0; c < CHUNKS; ++c) {
@@ -726,9 +730,9 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1) row_program_kernel(const __
       const Instruction& ins = prog.code[pc];
       if (run_pointwise<CHUNKS, VEC, SLOTS>(ins, cur, slots, ctx)) continue;
       switch (ins.op) {
-#define FXFUSE_AFFINE_CASE(name, F)       \
-  case OP_##name:                         \
-    run_feature_affine<F>(ctx, ins, cur); \
+#define FXFUSE_AFFINE_CASE(name, F)                                 \
+  case OP_##name:                                                   \
+    if constexpr (GENERAL) run_feature_affine<F>(ctx, ins, cur);    \
     break;
         FXFUSE_FEATURE_AFFINE_OPS(FXFUSE_AFFINE_CASE)
 #undef FXFUSE_AFFINE_CASE
@@ -749,7 +753,7 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1) row_program_kernel(const __
     Raw* out = static_cast<Raw*>(prog.output) + row * prog.features;
 #pragma unroll
     for (int c = 0; c < CHUNKS; ++c) {
-      if (prog.vector_io) {
+      if (vector_io) {
         if (ctx.chunk_count(c) > 0) store_vector<S>(out + ctx.element(c, 0), cur[c]);
       } else {
 #pragma unroll
@@ -879,9 +883,9 @@ RowGrid row_grid(Kernel kernel, int threads, int64_t shared_bytes) {
 
 // Stages every param that is the same for all rows (row_stride 0) in shared memory, in param order, while the
 // grid's spare shared memory lasts; the rest are read from global memory.
-template <class S, int SLOTS>
+template <class S, int SLOTS, bool GENERAL>
 void launch_row_program(const RowProgram& prog, const RowLaunch& launch, cudaStream_t stream) {
-  const auto kernel = row_program_kernel<S, SLOTS>;
+  const auto kernel = row_program_kernel<S, SLOTS, GENERAL>;
   const int threads = launch.rows_per_block * prog.threads_per_row;
   const int64_t row_groups = (prog.rows + launch.rows_per_block - 1) / launch.rows_per_block;
   const int64_t staging_bytes = prog.vector_io ? int64_t{threads} * kRowValues * sizeof(typename S::Raw) : 0;

@@ -106,10 +106,30 @@ struct Fp32Storage;
 struct Bf16Storage;
 struct Fp16Storage;
 
-// The launchers, explicitly instantiated one storage type (and slot count) per translation unit
-// (row_program_*.cu, broadcast_tail.cu), so that ninja compiles them in parallel; each launches on `stream`
-// and checks the launch.
-template <class Storage, int SLOTS>
+// Whether a row program needs the general row kernel, which also takes the rare paths: rows that are not whole
+// 16-byte vectors, batch_norm's per-feature affine, groups staged in shared memory. The lean kernel compiles
+// them out, which frees registers: no spills in bf16, against 156 / 232 bytes of spill stores / loads.
+inline bool needs_general_row_kernel(const RowProgram& prog) {
+  if (!prog.vector_io) return true;
+  for (int pc = 0; pc < prog.num_instructions; ++pc) {
+    const Instruction& ins = prog.code[pc];
+    if (ins.group_size > 0 && ins.group_mode == GROUP_SHARED) return true;
+    switch (ins.op) {
+#define FXFUSE_AFFINE_OPCODE(name, F) case OP_##name:
+      FXFUSE_FEATURE_AFFINE_OPS(FXFUSE_AFFINE_OPCODE)
+#undef FXFUSE_AFFINE_OPCODE
+      return true;
+      default:
+        break;
+    }
+  }
+  return false;
+}
+
+// The launchers, explicitly instantiated one storage type, slot count and kernel generality per translation
+// unit (row_program_*.cu, broadcast_tail.cu), so that ninja compiles them in parallel; each launches on
+// `stream` and checks the launch.
+template <class Storage, int SLOTS, bool GENERAL>
 void launch_row_program(const RowProgram& prog, const RowLaunch& launch, cudaStream_t stream);
 template <class Storage>
 void launch_broadcast_tail(const TailProgram& prog, cudaStream_t stream);

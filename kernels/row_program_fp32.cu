@@ -1,8 +1,9 @@
-// The row kernel for fp32 programs without slots (one translation unit per kernel: ninja builds them in parallel).
+// The lean row kernel for fp32 programs without slots.
+// One translation unit per kernel: ninja builds them in parallel.
 #include "interpreter.cuh"
 
 namespace fxfuse {
 
-template void launch_row_program<Fp32Storage, 0>(const RowProgram&, const RowLaunch&, cudaStream_t);
+template void launch_row_program<Fp32Storage, 0, false>(const RowProgram&, const RowLaunch&, cudaStream_t);
 
 }  // namespace fxfuse

@@ -1,8 +1,9 @@
-// The row kernel for fp32 programs with register slots (one translation unit per kernel: ninja builds them in parallel).
+// The lean row kernel for fp32 programs with register slots.
+// One translation unit per kernel: ninja builds them in parallel.
 #include "interpreter.cuh"
 
 namespace fxfuse {
 
-template void launch_row_program<Fp32Storage, kMaxSlots>(const RowProgram&, const RowLaunch&, cudaStream_t);
+template void launch_row_program<Fp32Storage, kMaxSlots, false>(const RowProgram&, const RowLaunch&, cudaStream_t);
 
 }  // namespace fxfuse

@@ -1,0 +1,9 @@
+// The general row kernel (with the rare paths) for fp32 programs without slots.
+// One translation unit per kernel: ninja builds them in parallel.
+#include "interpreter.cuh"
+
+namespace fxfuse {
+
+template void launch_row_program<Fp32Storage, 0, true>(const RowProgram&, const RowLaunch&, cudaStream_t);
+
+}  // namespace fxfuse
