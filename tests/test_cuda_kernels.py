@@ -213,6 +213,43 @@ def test_group_sizes_off_the_lane_grid(groups, precision):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"], indirect=True)
+@pytest.mark.parametrize("n", [97, 1001])
+def test_rows_that_are_not_whole_vectors(n, precision):
+    """N not a multiple of a 16-byte vector: element-wise loads and stores, in the general row kernel."""
+    dtype = DTYPES[precision]
+    x, weight, bias = linear_inputs(33, 65, n, dtype)
+    params = [torch.randn(n, device="cuda").to(dtype) for _ in range(3)]
+    program = "add(%0,$0);gelu(%1,'none');layer_norm(%2,$1,$2,1e-05)"
+    run_and_check(program, x, weight, bias, params, bound_for(precision))
+
+
+ROW_KERNEL_CHOICES = [  # (program, n, param kinds, whether it needs the general row kernel)
+    ("add(%0,$0);clamp(%1,-1.0,1.0);mish(%2);group_norm(%3,$1,$2,16,1e-05)", 1024, ["feature", "affine"], False),
+    ("add(%0,$0);layer_norm(%1,$1,$2,1e-05)", 1001, ["feature", "affine"], True),  # rows not whole vectors
+    ("group_norm(%0,$0,$1,125,1e-05)", 1000, ["affine"], True),           # groups staged in shared memory
+    ("batch_norm(%0,$0,$1,$2,$3,1e-05);relu(%1)", 1024, ["batch_norm"], True),
+]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"], indirect=True)
+@pytest.mark.parametrize("case", range(len(ROW_KERNEL_CHOICES)))
+def test_the_lean_row_kernel_runs_unless_a_program_needs_the_general_one(case, precision):
+    from torch.profiler import ProfilerActivity, profile
+
+    program, n, kinds, general = ROW_KERNEL_CHOICES[case]
+    dtype = DTYPES[precision]
+    x, weight, bias = linear_inputs(64, 65, n, dtype)
+    params = [p for kind in kinds for p in make_params(kind, 64, n, dtype)]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = torch.ops.fxfuse.gemm_epilogue(x, weight, bias, params, program)
+        torch.cuda.synchronize()
+    launched = [e.key for e in prof.key_averages() if "row_program_kernel" in e.key]
+    assert len(launched) == 1, launched
+    assert (", true>" in launched[0]) == general, launched[0]
+    assert_close_to_reference(out, x, weight, bias, params, program, bound_for(precision))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"], indirect=True)
 @pytest.mark.parametrize("n", [12000, 16384])
 def test_long_rows_take_more_than_48_kb_of_shared_memory(n, precision, caplog):
     """1024 threads a row: fp32 staging alone is 64 KB, past the 48 KB a launch gets without asking; at 12000
