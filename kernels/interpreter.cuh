@@ -4,7 +4,8 @@
 //   row_program_kernel  one group of threads per row of the GEMM output; reads the row once into registers
 //                       (fp32), runs the row phase of the program, writes the row (or one value per row) once.
 //                       The grid is persistent: each block walks rows, and the next row is copied into shared
-//                       memory (cp.async) while the current one computes.
+//                       memory (cp.async) while the current one computes. Built twice: lean, and general with
+//                       the rare paths (needs_general_row_kernel in program_format.cuh says which a program needs).
 //   broadcast_tail_kernel  the pointwise instructions after a broadcast that outgrows the row (the min + bias
 //                       example's (1, N, M, 1) output): one pass over the output, operands read by strides.
 //
