@@ -19,7 +19,12 @@ struct Attrs {
   float a0, a1, a2;
 };
 
-__device__ __forceinline__ float sigmoid_of(float x) { return __fdividef(1.0f, 1.0f + expf(-x)); }
+// The activations' e^x: the hardware exp2 (__expf, 2 instructions; a relative error under 2 + 1.16 |x| ulp, which
+// sigmoid, silu and mish damp) instead of expf's accurate range reduction (about 8): the mish example's epilogue
+// -5% in fp32 on the H100, and every op stays within the fp32 test bound against float64.
+__device__ __forceinline__ float activation_exp(float x) { return __expf(x); }
+
+__device__ __forceinline__ float sigmoid_of(float x) { return __fdividef(1.0f, 1.0f + activation_exp(-x)); }
 
 // ================================================================ unary pointwise: y = F::apply(x, attrs)
 // num_attrs: how many attributes follow the operand in the program text.
@@ -71,7 +76,7 @@ struct Gelu {
 // fxfuse/epilogue.py::silu
 struct Silu {
   static constexpr int num_attrs = 0;
-  __device__ static float apply(float x, const Attrs&) { return __fdividef(x, 1.0f + expf(-x)); }
+  __device__ static float apply(float x, const Attrs&) { return __fdividef(x, 1.0f + activation_exp(-x)); }
 };
 
 // fxfuse/epilogue.py::mish: x * tanh(log1p(e^x)) = x * n / (n + 2) with n = e^x (e^x + 2); one exp, one divide.
@@ -79,7 +84,7 @@ struct Mish {
   static constexpr int num_attrs = 0;
   __device__ static float apply(float x, const Attrs&) {
     if (x > 20.0f) return x;  // tanh(softplus(x)) rounds to 1 in fp32; also keeps n finite
-    const float e = expf(x);
+    const float e = activation_exp(x);
     const float n = e * (e + 2.0f);
     return x * __fdividef(n, n + 2.0f);
   }
