@@ -1,0 +1,38 @@
+"""Epilogue kernel time of small programs at full size (1024 x 8192 -> 8192), to price each piece of a program.
+
+Usage: python dev/row_costs.py [bf16|fp32]   (kernels/ as it is; prints CUDA µs per call of the epilogue kernels)
+"""
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import fxfuse.kernels
+
+PROGRAMS = [  # (program, param shapes)
+    ("relu(%0)", []),
+    ("amin(%0,1,True)", []),
+    ("sum(%0,-1,True)", []),
+    ("group_norm(%0,$0,$1,512,1e-05)", [(8192,), (8192,)]),
+    ("group_norm(%0,$0,$1,512,1e-05);amin(%1,1,True)", [(8192,), (8192,)]),
+    ("group_norm(%0,$0,$1,512,1e-05);leaky_relu(%1,0.01);add(%2,%2)", [(8192,), (8192,)]),
+    ("group_norm(%0,$0,$1,16,1e-05)", [(8192,), (8192,)]),
+    ("layer_norm(%0,$0,$1,1e-05)", [(8192,), (8192,)]),
+]
+
+dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[sys.argv[1] if len(sys.argv) > 1 else "bf16"]
+assert fxfuse.kernels.load()
+x = torch.randn(1024, 8192, device="cuda", dtype=dtype)
+w = torch.randn(8192, 8192, device="cuda", dtype=dtype) * 8192 ** -0.5
+b = torch.randn(8192, device="cuda", dtype=dtype)
+for program, shapes in PROGRAMS:
+    params = [torch.randn(s, device="cuda", dtype=dtype) for s in shapes]
+    call = lambda: torch.ops.fxfuse.gemm_epilogue(x, w, b, params, program)
+    call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            call()
+        torch.cuda.synchronize()
+    us = sum(e.device_time_total for e in prof.key_averages() if "row_program" in e.key) / 20
+    print(f"{str(dtype)[6:]:<9} {us:6.1f} us  {program}")
