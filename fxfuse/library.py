@@ -8,9 +8,9 @@ Entry points:
 - ``torch.ops.fxfuse.gemm_epilogue_train``: what training graphs call; the same result, plus the GEMM output
   itself (a tensor of its own), which its autograd keeps: the backward runs the epilogue's gradients through
   ``torch.ops.fxfuse.epilogue_backward`` from it, then the linear's gradients, with no recompute GEMM.
-- ``gemm_epilogue_fallback`` and ``gemm_epilogue_train_fallback``: those ops pinned to the reference, plus the
-  reason; the CUDA implementation calls them for inputs its kernels don't take, and they log that reason at
-  debug level.
+- ``gemm_epilogue_fallback``, ``gemm_epilogue_train_fallback`` and ``epilogue_backward_fallback``: those ops
+  pinned to the reference, plus the reason; the CUDA implementations call them for inputs their kernels don't
+  take, and they log that reason at debug level.
 
     gemm_epilogue(Tensor x, Tensor weight, Tensor? bias, Tensor[] params, str program) -> Tensor
     gemm_epilogue_train(Tensor x, Tensor weight, Tensor? bias, Tensor[] params, str program) -> (Tensor, Tensor)
@@ -53,11 +53,16 @@ def run_reference_train(x, weight, bias, params, program):
 def _logged(reference, name: str):
     """`reference` with a trailing `reason` argument, logged at debug level: the fallback of op `name`."""
 
-    def run_fallback(x, weight, bias, params, program, reason):
+    def run_fallback(*args):
+        *arguments, reason = args
         logger.debug("%s runs the reference: %s", name, reason)
-        return reference(x, weight, bias, params, program)
+        return reference(*arguments)
 
     return run_fallback
+
+
+def _ignoring_reason(function):
+    return lambda *args: function(*args[:-1])
 
 
 def _gemm_epilogue_of(program: str):
@@ -220,9 +225,10 @@ _training("gemm_epilogue_train_fallback", f"({ARGS}, str reason) -> (Tensor, Ten
 # The gradients for the inputs flagged in needs_grad, in the order of the tensors before it.
 _define("gemm_epilogue_backward", f"(Tensor grad_output, {ARGS}, bool[] needs_grad) -> Tensor[]",
         run_reference_backward, fake_backward)
-_define("epilogue_backward",
-        "(Tensor grad_output, Tensor gemm_out, Tensor[] params, str program, bool[] needs_grad) -> Tensor[]",
-        run_epilogue_backward, fake_epilogue_backward)
+EPILOGUE_BACKWARD_ARGS = "Tensor grad_output, Tensor gemm_out, Tensor[] params, str program, bool[] needs_grad"
+_define("epilogue_backward", f"({EPILOGUE_BACKWARD_ARGS}) -> Tensor[]", run_epilogue_backward, fake_epilogue_backward)
+_define("epilogue_backward_fallback", f"({EPILOGUE_BACKWARD_ARGS}, str reason) -> Tensor[]",
+        _logged(run_epilogue_backward, "epilogue_backward"), _ignoring_reason(fake_epilogue_backward))
 
 gemm_epilogue = torch.ops.fxfuse.gemm_epilogue.default
 gemm_epilogue_train = torch.ops.fxfuse.gemm_epilogue_train.default

@@ -27,30 +27,39 @@ __device__ __forceinline__ float activation_exp(float x) { return __expf(x); }
 __device__ __forceinline__ float sigmoid_of(float x) { return __fdividef(1.0f, 1.0f + activation_exp(-x)); }
 
 // ================================================================ unary pointwise: y = F::apply(x, attrs)
-// num_attrs: how many attributes follow the operand in the program text.
+// num_attrs: how many attributes follow the operand in the program text. F::backward(x, grad, attrs) is the
+// input's gradient for the output's gradient `grad`, as torch's autograd formula for the reference computes it
+// (a select where autograd selects, so that a NaN gradient stays where autograd keeps it).
 
 // fxfuse/epilogue.py::neg
 struct Neg {
   static constexpr int num_attrs = 0;
   __device__ static float apply(float x, const Attrs&) { return -x; }
+  __device__ static float backward(float, float grad, const Attrs&) { return -grad; }
 };
 
 // fxfuse/epilogue.py::relu (NaN stays NaN, as clamp_min does)
 struct Relu {
   static constexpr int num_attrs = 0;
   __device__ static float apply(float x, const Attrs&) { return x < 0.0f ? 0.0f : x; }
+  __device__ static float backward(float x, float grad, const Attrs&) { return x <= 0.0f ? 0.0f : grad; }
 };
 
 // fxfuse/epilogue.py::clamp (a0 = min, a1 = max; None is NaN, which fmaxf/fminf ignore)
 struct Clamp {
   static constexpr int num_attrs = 2;
   __device__ static float apply(float x, const Attrs& a) { return isnan(x) ? x : fminf(fmaxf(x, a.a0), a.a1); }
+  __device__ static float backward(float x, float grad, const Attrs& a) {
+    const float low = isnan(a.a0) ? -INFINITY : a.a0, high = isnan(a.a1) ? INFINITY : a.a1;  // per instruction
+    return x >= low && x <= high ? grad : 0.0f;  // false for a NaN x, as torch's mask
+  }
 };
 
 // fxfuse/epilogue.py::leaky_relu (a0 = negative_slope)
 struct LeakyRelu {
   static constexpr int num_attrs = 1;
   __device__ static float apply(float x, const Attrs& a) { return x > 0.0f ? x : x * a.a0; }
+  __device__ static float backward(float x, float grad, const Attrs& a) { return x > 0.0f ? grad : grad * a.a0; }
 };
 
 // fxfuse/epilogue.py::elu (a0 = alpha, a1 = scale, a2 = input_scale)
@@ -58,6 +67,9 @@ struct Elu {
   static constexpr int num_attrs = 3;
   __device__ static float apply(float x, const Attrs& a) {
     return x > 0.0f ? x * a.a1 : expm1f(x * a.a2) * a.a0 * a.a1;
+  }
+  __device__ static float backward(float x, float grad, const Attrs& a) {
+    return x > 0.0f ? grad * a.a1 : grad * a.a2 * a.a0 * a.a1 * expf(x * a.a2);
   }
 };
 
@@ -71,12 +83,26 @@ struct Gelu {
     }
     return 0.5f * x * (1.0f + erff(x * 0.7071067811865476f));
   }
+  __device__ static float backward(float x, float grad, const Attrs& a) {
+    if (a.a0 != 0.0f) {
+      const float t = tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x));
+      const float inner_derivative = 0.7978845608028654f * (1.0f + 3.0f * 0.044715f * x * x);
+      return grad * (0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * inner_derivative);
+    }
+    const float cdf = 0.5f * (1.0f + erff(x * 0.7071067811865476f));
+    const float pdf = expf(-0.5f * x * x) * 0.3989422804014327f;
+    return grad * (cdf + x * pdf);
+  }
 };
 
 // fxfuse/epilogue.py::silu
 struct Silu {
   static constexpr int num_attrs = 0;
   __device__ static float apply(float x, const Attrs&) { return __fdividef(x, 1.0f + activation_exp(-x)); }
+  __device__ static float backward(float x, float grad, const Attrs&) {
+    const float s = sigmoid_of(x);
+    return grad * s * (1.0f + x * (1.0f - s));
+  }
 };
 
 // fxfuse/epilogue.py::mish: x * tanh(log1p(e^x)) = x * n / (n + 2) with n = e^x (e^x + 2); one exp, one divide.
@@ -88,18 +114,34 @@ struct Mish {
     const float n = e * (e + 2.0f);
     return x * __fdividef(n, n + 2.0f);
   }
+  // tanh(softplus(x)) + x * sigmoid(x) * (1 - tanh(softplus(x))^2), with the forward's n
+  __device__ static float backward(float x, float grad, const Attrs&) {
+    if (x > 20.0f) return grad;
+    const float e = activation_exp(x);
+    const float n = e * (e + 2.0f);
+    const float t = __fdividef(n, n + 2.0f);
+    return grad * (t + x * __fdividef(e, 1.0f + e) * (1.0f - t * t));
+  }
 };
 
 // fxfuse/epilogue.py::sigmoid
 struct Sigmoid {
   static constexpr int num_attrs = 0;
   __device__ static float apply(float x, const Attrs&) { return sigmoid_of(x); }
+  __device__ static float backward(float x, float grad, const Attrs&) {
+    const float y = sigmoid_of(x);
+    return grad * (1.0f - y) * y;
+  }
 };
 
 // fxfuse/epilogue.py::tanh
 struct Tanh {
   static constexpr int num_attrs = 0;
   __device__ static float apply(float x, const Attrs&) { return tanhf(x); }
+  __device__ static float backward(float x, float grad, const Attrs&) {
+    const float y = tanhf(x);
+    return grad * (1.0f - y * y);
+  }
 };
 
 // fxfuse/epilogue.py::softplus (a0 = beta, a1 = threshold)
@@ -109,6 +151,12 @@ struct Softplus {
     const float scaled = x * a.a0;
     return scaled > a.a1 ? x : log1pf(expf(scaled)) / a.a0;
   }
+  __device__ static float backward(float x, float grad, const Attrs& a) {
+    const float scaled = x * a.a0;
+    if (scaled > a.a1) return grad;
+    const float z = expf(scaled);
+    return grad * z / (z + 1.0f);
+  }
 };
 
 // fxfuse/epilogue.py::hardswish
@@ -117,30 +165,42 @@ struct Hardswish {
   __device__ static float apply(float x, const Attrs&) {
     return x * fminf(fmaxf(x + 3.0f, 0.0f), 6.0f) * (1.0f / 6.0f);
   }
+  __device__ static float backward(float x, float grad, const Attrs&) {
+    if (x <= -3.0f) return 0.0f;
+    return x < 3.0f ? grad * (x / 3.0f + 0.5f) : grad;
+  }
 };
 
 // fxfuse/epilogue.py::hardsigmoid
 struct Hardsigmoid {
   static constexpr int num_attrs = 0;
   __device__ static float apply(float x, const Attrs&) { return fminf(fmaxf(x + 3.0f, 0.0f), 6.0f) * (1.0f / 6.0f); }
+  __device__ static float backward(float x, float grad, const Attrs&) {
+    return x > -3.0f && x < 3.0f ? grad * (1.0f / 6.0f) : 0.0f;
+  }
 };
 
 // fxfuse/epilogue.py::exp
 struct Exp {
   static constexpr int num_attrs = 0;
   __device__ static float apply(float x, const Attrs&) { return expf(x); }
+  __device__ static float backward(float x, float grad, const Attrs&) { return grad * expf(x); }
 };
 
 // fxfuse/epilogue.py::log
 struct Log {
   static constexpr int num_attrs = 0;
   __device__ static float apply(float x, const Attrs&) { return logf(x); }
+  __device__ static float backward(float x, float grad, const Attrs&) { return grad / x; }
 };
 
 // fxfuse/epilogue.py::abs
 struct Abs {
   static constexpr int num_attrs = 0;
   __device__ static float apply(float x, const Attrs&) { return fabsf(x); }
+  __device__ static float backward(float x, float grad, const Attrs&) {
+    return x > 0.0f ? grad : (x < 0.0f ? -grad : grad * 0.0f);
+  }
 };
 
 // fxfuse/epilogue.py::pow (a0 = exponent; the exponents eager special-cases take its exact formulas)
@@ -155,28 +215,41 @@ struct Pow {
     if (e == -1.0f) return 1.0f / x;
     return powf(x, e);
   }
+  __device__ static float backward(float x, float grad, const Attrs& a) {
+    const float e = a.a0;
+    if (e == 0.0f) return 0.0f;
+    if (e == 1.0f) return grad;
+    if (e == 2.0f) return grad * 2.0f * x;
+    if (e == 3.0f) return grad * 3.0f * x * x;
+    return grad * e * powf(x, e - 1.0f);
+  }
 };
 
 // ================================================================ binary pointwise: y = F::apply(a, b)
+// F::partials(a, b, da, db): dy/da and dy/db, as torch's autograd formulas.
 
 // fxfuse/epilogue.py::add
 struct Add {
   __device__ static float apply(float a, float b) { return a + b; }
+  __device__ static void partials(float, float, float& da, float& db) { da = 1.0f, db = 1.0f; }
 };
 
 // fxfuse/epilogue.py::sub
 struct Sub {
   __device__ static float apply(float a, float b) { return a - b; }
+  __device__ static void partials(float, float, float& da, float& db) { da = 1.0f, db = -1.0f; }
 };
 
 // fxfuse/epilogue.py::mul
 struct Mul {
   __device__ static float apply(float a, float b) { return a * b; }
+  __device__ static void partials(float a, float b, float& da, float& db) { da = b, db = a; }
 };
 
 // fxfuse/epilogue.py::div
 struct Div {
   __device__ static float apply(float a, float b) { return a / b; }
+  __device__ static void partials(float a, float b, float& da, float& db) { da = 1.0f / b, db = -a / (b * b); }
 };
 
 // ================================================================ per-feature affine of live statistics

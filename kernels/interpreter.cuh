@@ -576,13 +576,11 @@ __device__ __forceinline__ void apply_norm(const Ctx& ctx, const Instruction& in
   else apply_norm_chunks<false, F>(ctx, ins, cur, s0, s1);
 }
 
-// A norm or a row reduction: its statistic (one copy of each statistic's code per kernel), then the op's
-// per-element apply, or its per-row result in every element (so later pointwise ops broadcast it for free).
+// A norm's per-element apply, or a row reduction's per-row result in every element (so later pointwise ops
+// broadcast it for free), from the statistic (s0, s1) of each chunk's group.
 template <typename Ctx, int CHUNKS, int VEC>
-__device__ __forceinline__ void run_row_op(const Ctx& ctx, const Instruction& ins, Values<CHUNKS, VEC>& cur,
-                                           CrossWarp<CHUNKS>& cross_warp, float* shared_rows) {
-  float s0[CHUNKS], s1[CHUNKS];
-  run_statistic(ctx, ins, cur, s0, s1, cross_warp, shared_rows);
+__device__ __forceinline__ void apply_row_op(const Ctx& ctx, const Instruction& ins, Values<CHUNKS, VEC>& cur,
+                                             const float (&s0)[CHUNKS], const float (&s1)[CHUNKS]) {
   float result = 0.0f;
   switch (ins.op) {
 #define FXFUSE_RESULT_CASE(name, F)                      \
@@ -604,6 +602,15 @@ __device__ __forceinline__ void run_row_op(const Ctx& ctx, const Instruction& in
   for (int c = 0; c < CHUNKS; ++c)
 #pragma unroll
     for (int j = 0; j < VEC; ++j) cur[c][j] = result;
+}
+
+// A norm or a row reduction: its statistic (one copy of each statistic's code per kernel), then its apply.
+template <typename Ctx, int CHUNKS, int VEC>
+__device__ __forceinline__ void run_row_op(const Ctx& ctx, const Instruction& ins, Values<CHUNKS, VEC>& cur,
+                                           CrossWarp<CHUNKS>& cross_warp, float* shared_rows) {
+  float s0[CHUNKS], s1[CHUNKS];
+  run_statistic(ctx, ins, cur, s0, s1, cross_warp, shared_rows);
+  apply_row_op(ctx, ins, cur, s0, s1);
 }
 
 template <class F, typename Ctx, int CHUNKS, int VEC>
@@ -631,19 +638,36 @@ __device__ __forceinline__ void copy_async_16(void* shared, const void* global) 
 __device__ __forceinline__ void commit_async_copies() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void wait_async_copies() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
-// Starts copying this thread's chunks of `row` into its own staging slots (slot c of thread t at
-// c * blockDim.x + t: a warp's 16-byte accesses are contiguous). Only the thread that copies a slot reads it,
-// so waiting for its own copies is all the synchronization the staging needs.
+// Starts copying this thread's chunks of a row (`in`: its first element) into its own staging slots (slot c of
+// thread t at c * blockDim.x + t: a warp's 16-byte accesses are contiguous). Only the thread that copies a slot
+// reads it, so waiting for its own copies is all the synchronization the staging needs.
 template <class S, int CHUNKS>
-__device__ __forceinline__ void stage_row(const RowProgram& prog, int64_t row, int lane, uint4* staging) {
+__device__ __forceinline__ void stage_chunks(const RowProgram& prog, const typename S::Raw* in, int lane,
+                                             uint4* staging) {
   constexpr int VEC = S::VEC;
-  const auto* in = static_cast<const typename S::Raw*>(prog.input) + row * prog.features;
 #pragma unroll
   for (int c = 0; c < CHUNKS; ++c) {
     const int first = (c * prog.threads_per_row + lane) * VEC;
     if (first < prog.features) copy_async_16(&staging[c * blockDim.x + threadIdx.x], in + first);
   }
+}
+
+template <class S, int CHUNKS>
+__device__ __forceinline__ void stage_row(const RowProgram& prog, int64_t row, int lane, uint4* staging) {
+  stage_chunks<S, CHUNKS>(prog, static_cast<const typename S::Raw*>(prog.input) + row * prog.features, lane, staging);
   commit_async_copies();
+}
+
+// Reads this thread's staged chunks back (zeros for chunks past the row's end).
+template <class S, typename Ctx, int CHUNKS, int VEC>
+__device__ __forceinline__ void unstage_chunks(const Ctx& ctx, const uint4* staging, Values<CHUNKS, VEC>& dst) {
+#pragma unroll
+  for (int c = 0; c < CHUNKS; ++c) {
+    if (ctx.chunk_count(c) > 0) S::unpack(staging[c * blockDim.x + threadIdx.x], dst[c]);
+    else
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) dst[c][j] = 0.0f;
+  }
 }
 
 // Starts copying each param the launcher staged (its shared_index >= 0) into shared memory, once per block, in
@@ -711,13 +735,7 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1) row_program_kernel(const __
     float slots[kSlotStorage<SLOTS>][CHUNKS][VEC];
     if (vector_io) {
       wait_async_copies();
-#pragma unroll
-      for (int c = 0; c < CHUNKS; ++c) {
-        if (ctx.chunk_count(c) > 0) S::unpack(staging[c * blockDim.x + threadIdx.x], cur[c]);
-        else
-#pragma unroll
-          for (int j = 0; j < VEC; ++j) cur[c][j] = 0.0f;
-      }
+      unstage_chunks<S>(ctx, staging, cur);
       if (group + gridDim.x < row_groups) stage_row<S, CHUNKS>(prog, clamped_row(group + gridDim.x), lane, staging);
     } else {
       const Raw* in = static_cast<const Raw*>(prog.input) + ctx.row * prog.features;

@@ -95,6 +95,44 @@ struct TailProgram {
   int32_t num_instructions;
 };
 
+// ================================================================ the backward's program (backward_interpreter.cuh)
+
+constexpr int kMaxBackwardThreads = 512;  // rows up to 8192 features; __launch_bounds__(512, 1): 128 registers
+constexpr int kMaxBackwardRowOps = 2;     // norms and reductions whose statistics the backward keeps in registers
+constexpr int kMaxGradAccumulators = 4;   // params whose gradient sums over rows (32 KB of shared memory each)
+
+// How a param's gradient is gathered from its per-element contributions.
+enum GradKind : uint8_t {
+  GRAD_NONE,     // not asked for
+  GRAD_SUMMED,   // one value per feature (or a single value): summed over the block's rows in shared memory,
+                 // then written to out[partial row][feature], fp32; the host sums the partial rows
+  GRAD_PER_ROW,  // one value per row: summed over the row, out[row], fp32
+  GRAD_FULL,     // one value per element: out[row][feature], fp32
+};
+
+struct ParamGrad {
+  uint8_t kind;
+  int8_t accumulator;  // GRAD_SUMMED: its shared-memory accumulator
+  float* out;
+};
+
+// What the backward knows of each instruction beyond the forward's format.
+struct BackwardStep {
+  int8_t row_op;          // norms and reductions: where their statistics are kept (< kMaxBackwardRowOps)
+  bool input_per_row;     // the instruction reads a per-row value (after a reduction; held in every element)
+  bool output_per_row;    // ... and writes one: its param contributions count once per row, not per element
+};
+
+struct BackwardProgram {
+  RowProgram row;                     // the forward's program; input: the GEMM output; output: its gradient or null
+  BackwardStep steps[kMaxInstructions];
+  ParamGrad grads[kMaxParams];        // per row param
+  int32_t grad_output_param;          // the row param that views the result's gradient
+  bool stage_grad_output;             // it is whole contiguous rows: staged in shared memory with the GEMM output
+  int32_t accumulators;               // GRAD_SUMMED params
+  int32_t rows_per_block;
+};
+
 // How the row kernel is launched: rows_per_block rows of TPR threads per block.
 struct RowLaunch {
   int rows_per_block;
@@ -133,5 +171,11 @@ template <class Storage, int SLOTS, bool GENERAL>
 void launch_row_program(const RowProgram& prog, const RowLaunch& launch, cudaStream_t stream);
 template <class Storage>
 void launch_broadcast_tail(const TailProgram& prog, cudaStream_t stream);
+// The backward row kernel (backward_interpreter.cuh): its persistent grid's block count for `threads` threads,
+// then the launch, whose GRAD_SUMMED outputs have blocks * rows_per_block partial rows.
+template <class Storage>
+int64_t row_backward_blocks(const BackwardProgram& prog, int threads);
+template <class Storage>
+void launch_row_backward(const BackwardProgram& prog, int64_t blocks, int threads, cudaStream_t stream);
 
 }  // namespace fxfuse

@@ -1,6 +1,6 @@
 """The fused ops themselves: torch.library.opcheck, gradcheck in float64, fake (meta) shapes, and the program IR.
 
-``torch.ops.fxfuse.gemm_epilogue``, ``gemm_epilogue_train``, their fallbacks and ``epilogue_backward`` are
+``torch.ops.fxfuse.gemm_epilogue``, ``gemm_epilogue_train``, ``epilogue_backward`` and their fallbacks are
 checked on programs that cover every kind of epilogue op: pointwise with parameters, norms, reductions with and
 without keepdim, broadcasting to a larger output, residual reads of earlier values, no bias, 3-D inputs.
 """
@@ -82,13 +82,18 @@ def test_opcheck(op_name, name, requires_grad):
     torch.library.opcheck(OPS[op_name](), args)
 
 
+@pytest.mark.parametrize("fallback", [False, True], ids=["op", "fallback"])
 @pytest.mark.parametrize("name", SOME + ["softmax-3-D", "logsumexp-keepdim-sub", "batch_norm"])
-def test_epilogue_backward_opcheck(name):
+def test_epilogue_backward_opcheck(name, fallback):
     x, weight, bias, params, program = make_args(name)
     gemm_out = F.linear(x, weight, bias)
     grad_output = torch.randn_like(run_program(gemm_out, params, program))
     needs = [True] + [not (name == "batch_norm" and i < 2) for i in range(len(params))]  # no running stats
-    torch.library.opcheck(torch.ops.fxfuse.epilogue_backward.default, (grad_output, gemm_out, params, program, needs))
+    args = (grad_output, gemm_out, params, program, needs)
+    if fallback:
+        torch.library.opcheck(torch.ops.fxfuse.epilogue_backward_fallback.default, args + ("a test of the fallback",))
+    else:
+        torch.library.opcheck(torch.ops.fxfuse.epilogue_backward.default, args)
 
 
 FULL_GRADCHECK = {"relu", "outside-operand"}  # the whole Jacobian, column by column
