@@ -10,7 +10,8 @@ and ratios to the GEMM alone, writes a PNG bar chart of the ratios, and reports 
 read and write over the device-to-device copy bandwidth measured in the same run.
 
 Each model also gets a training-step row per precision in ``TRAINING_PRECISIONS``: forward + backward + SGD step
-for every column, with the same step of the GEMM alone as its baseline (its epilogue columns stay empty).
+for every column, with the same step of the GEMM alone as its baseline (its epilogue columns stay empty), each the
+median of five timed loops of steps.
 
 A column is one ``Column`` entry in ``COLUMNS``: a name and a function (model, example inputs) -> callable.
 """
@@ -86,20 +87,24 @@ def time_ms(fn: Callable, input_sets: list[list], runs: int, warmup: int = 5) ->
     return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
-def time_loop_ms(fn: Callable, input_sets: list[list], runs: int, warmup: int = 20) -> float:
-    """Mean milliseconds of fn(*inputs) over `runs` back-to-back calls between two events (training steps:
-    their CPU-side autograd and optimizer work is part of a step, and per-call events read it unevenly)."""
+def time_loop_ms(fn: Callable, input_sets: list[list], runs: int, warmup: int = 20, loops: int = 5) -> float:
+    """Milliseconds per call of fn(*inputs): the median, over `loops` loops, of the mean over `runs` back-to-back
+    calls between two events (training steps: their CPU-side autograd and optimizer work is part of a step, and
+    per-call events read it unevenly; one loop alone swung by +-0.5x of the GEMM step between runs)."""
+    means = []
     with torch.enable_grad():
         for i in range(warmup):
             fn(*input_sets[i % len(input_sets)])
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for i in range(runs):
-            fn(*input_sets[i % len(input_sets)])
-        end.record()
-        torch.cuda.synchronize()
-    return start.elapsed_time(end) / runs
+        for _ in range(loops):
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for i in range(runs):
+                fn(*input_sets[i % len(input_sets)])
+            end.record()
+            torch.cuda.synchronize()
+            means.append(start.elapsed_time(end) / runs)
+    return statistics.median(means)
 
 
 def training_step(forward: Callable, params: list) -> Callable:
