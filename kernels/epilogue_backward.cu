@@ -172,7 +172,8 @@ Tensors epilogue_backward_cuda(const at::Tensor& grad_output, const at::Tensor& 
   if (!reason.empty()) return fallback(reason);
   if (grad_output.sizes() != c10::IntArrayRef(binding.output_shape)) return fallback("grad_output's shape");
 
-  // The additive tail's backward: sums of grad_output, signed (x - p: -1 for p; p - x: -1 for x and later terms).
+  // The additive tail's backward: sums of grad_output, signed (x - p flips p's sign; p - x flips that of x, and
+  // so of everything before it in the tail).
   at::Tensor grad_row_result = grad_output;
   std::vector<std::pair<int, at::Tensor>> tail_grads;  // (program param, its gradient from the tail, fp32)
   if (binding.has_tail) {
