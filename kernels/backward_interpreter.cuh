@@ -327,18 +327,6 @@ __device__ __forceinline__ void backward_step(const Ctx& ctx, const BackwardRow<
 
 // ================================================================ the backward row kernel
 
-__device__ __forceinline__ bool is_row_op(uint8_t op) {
-  switch (op) {
-#define FXFUSE_ROW_OP_CASE(name, F) case OP_##name:
-    FXFUSE_NORM_OPS(FXFUSE_ROW_OP_CASE)
-    FXFUSE_REDUCTION_OPS(FXFUSE_ROW_OP_CASE)
-#undef FXFUSE_ROW_OP_CASE
-    return true;
-    default:
-      return false;
-  }
-}
-
 // cur := the input of instruction `end`, run forward from the row y. With KEEP, the norms and reductions on the way
 // compute their statistics and keep them; without, they apply the kept ones (pointwise work only).
 template <bool KEEP, typename Ctx, int CHUNKS, int VEC>
@@ -428,7 +416,7 @@ __global__ void __launch_bounds__(kMaxBackwardThreads, 1)
       const Instruction& ins = prog.code[pc];
       if (pc < last) run_forward_to<false>(ctx, bprog, pc, y, cur, kept, cross_warp);
       float s0[CHUNKS], s1[CHUNKS];
-      if (is_row_op(ins.op)) {
+      if (bprog.steps[pc].row_op >= 0) {
         if (pc == last) run_statistic(ctx, ins, cur, s0, s1, cross_warp, nullptr);
         else kept.read(bprog.steps[pc].row_op, s0, s1);
       }

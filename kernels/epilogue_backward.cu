@@ -82,14 +82,7 @@ std::string check_backward_program(const Binding& binding, const RowLayout& layo
   int row_ops = 0;
   for (const Instruction& ins : binding.row_code) {
     if (ins.group_size > 0) ++row_ops;
-    switch (ins.op) {
-#define FXFUSE_AFFINE_OPCODE(name, F) case OP_##name:
-      FXFUSE_FEATURE_AFFINE_OPS(FXFUSE_AFFINE_OPCODE)
-#undef FXFUSE_AFFINE_OPCODE
-      return "batch_norm has no backward kernel";
-      default:
-        break;
-    }
+    if (is_feature_affine(ins.op)) return "batch_norm has no backward kernel";
   }
   if (row_ops > kMaxBackwardRowOps) return "more than " + std::to_string(kMaxBackwardRowOps) + " norms and reductions";
   return "";
@@ -125,11 +118,11 @@ GradBuffer make_grad_buffer(const RowParam& view, const at::Tensor& param, int64
   return b;
 }
 
-// A row param's fp32 gradient buffer as the param's flat gradient in `dtype`: GRAD_SUMMED partial rows summed,
-// in fp32 (at::sum with a 16-bit dtype would round the partials to it first).
-at::Tensor finish(const GradBuffer& b, const at::Tensor& param, at::ScalarType dtype) {
-  if (b.grad.kind != GRAD_SUMMED) return b.buffer.view({-1}).to(dtype);
-  return (param.numel() == 1 ? b.buffer.sum().view({1}) : b.buffer.sum(0)).to(dtype);
+// A row param's fp32 gradient buffer as the param's flat fp32 gradient: GRAD_SUMMED partial rows summed (in
+// fp32: at::sum with a 16-bit dtype would round the partials to it first).
+at::Tensor finish(const GradBuffer& b, const at::Tensor& param) {
+  if (b.grad.kind != GRAD_SUMMED) return b.buffer.view({-1});
+  return param.numel() == 1 ? b.buffer.sum().view({1}) : b.buffer.sum(0);
 }
 
 int64_t backward_blocks(at::ScalarType dtype, const BackwardProgram& prog, int threads) {
@@ -249,25 +242,19 @@ Tensors epilogue_backward_cuda(const at::Tensor& grad_output, const at::Tensor& 
   }
   launch_backward(gemm_out.scalar_type(), prog, blocks, threads);
 
-  // Each flagged param's gradient, in its dtype: its one use's buffer finished, or its uses summed
-  // in fp32 (zeros where it has none).
+  // Each flagged param's gradient: its uses summed in fp32, then cast to its dtype once (zeros where it has none).
   Tensors grads;
   if (needs_grad.get(0)) grads.push_back(grad_gemm_out);
   for (size_t source = 0; source < params.size(); ++source) {
     if (!needs_grad.get(source + 1)) continue;
     const at::Tensor& param = params[source];
-    std::vector<at::Tensor> parts;
-    const bool single = std::count(binding.row_param_sources.begin(), binding.row_param_sources.end(),
-                                   static_cast<int>(source)) +
-                            std::count_if(tail_grads.begin(), tail_grads.end(),
-                                          [&](const auto& g) { return g.first == static_cast<int>(source); }) == 1;
-    const auto dtype = single ? param.scalar_type() : at::kFloat;
+    at::Tensor total;
+    const auto add = [&](const at::Tensor& part) { total = total.defined() ? total + part : part; };
     for (size_t k = 0; k < binding.row_params.size(); ++k)
-      if (binding.row_param_sources[k] == static_cast<int>(source)) parts.push_back(finish(buffers[k], param, dtype));
+      if (binding.row_param_sources[k] == static_cast<int>(source)) add(finish(buffers[k], param));
     for (const auto& [index, grad] : tail_grads)
-      if (index == static_cast<int>(source)) parts.push_back(grad.reshape({-1}).to(dtype));
-    at::Tensor total = parts.empty() ? at::zeros({param.numel()}, param.options()) : parts[0];
-    for (size_t i = 1; i < parts.size(); ++i) total = total + parts[i];
+      if (index == static_cast<int>(source)) add(grad.reshape({-1}));
+    if (!total.defined()) total = at::zeros({param.numel()}, param.options());
     grads.push_back(total.to(param.scalar_type()).view(param.sizes()));
   }
   return grads;

@@ -144,6 +144,18 @@ struct Fp32Storage;
 struct Bf16Storage;
 struct Fp16Storage;
 
+// Whether an opcode is a per-feature affine of live statistics (batch_norm).
+inline bool is_feature_affine(uint8_t op) {
+  switch (op) {
+#define FXFUSE_AFFINE_OPCODE(name, F) case OP_##name:
+    FXFUSE_FEATURE_AFFINE_OPS(FXFUSE_AFFINE_OPCODE)
+#undef FXFUSE_AFFINE_OPCODE
+    return true;
+    default:
+      return false;
+  }
+}
+
 // Whether a row program needs the general row kernel, which also takes the rare paths: rows that are not whole
 // 16-byte vectors, batch_norm's per-feature affine, groups staged in shared memory. The lean kernel compiles
 // them out, which frees registers: no spills in bf16, against 156 / 232 bytes of spill stores / loads.
@@ -152,14 +164,7 @@ inline bool needs_general_row_kernel(const RowProgram& prog) {
   for (int pc = 0; pc < prog.num_instructions; ++pc) {
     const Instruction& ins = prog.code[pc];
     if (ins.group_size > 0 && ins.group_mode == GROUP_SHARED) return true;
-    switch (ins.op) {
-#define FXFUSE_AFFINE_OPCODE(name, F) case OP_##name:
-      FXFUSE_FEATURE_AFFINE_OPS(FXFUSE_AFFINE_OPCODE)
-#undef FXFUSE_AFFINE_OPCODE
-      return true;
-      default:
-        break;
-    }
+    if (is_feature_affine(ins.op)) return true;
   }
   return false;
 }
