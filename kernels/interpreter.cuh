@@ -249,12 +249,12 @@ struct SumOp {
 struct MaxOp {
   using Value = float;
   __device__ static float identity() { return -INFINITY; }
-  __device__ static float apply(float a, float b) { return (a > b || isnan(a)) ? a : b; }
+  __device__ static float apply(float a, float b) { return maximum(a, b); }
 };
 struct MinOp {
   using Value = float;
   __device__ static float identity() { return INFINITY; }
-  __device__ static float apply(float a, float b) { return (a < b || isnan(a)) ? a : b; }
+  __device__ static float apply(float a, float b) { return minimum(a, b); }
 };
 
 __device__ __forceinline__ float shuffle_xor(float v, int offset) { return __shfl_xor_sync(0xffffffffu, v, offset); }

@@ -187,6 +187,37 @@ def test_each_op(name, precision):
         run_and_check(program, x, weight, bias, make_params(kind, m, n, dtype), bound_for(precision))
 
 
+# NaN, infinities, magnitudes past the activations' thresholds, and -0: GEMM output columns whose weight row is 0
+# and whose bias is the value.
+SPECIAL_VALUES = [float("nan"), float("inf"), float("-inf"), 200.0, -200.0, -0.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", sorted(EPILOGUE_OPS))
+def test_special_values_come_out_as_in_the_reference(name, dtype):
+    """NaN where the reference (float64, rounded to the dtype) has NaN, the same infinities, and the finite
+    elements within the dtype's bound: the clamps, extrema and approximate exponentials keep NaN and saturate as
+    torch does."""
+    m, k, n = 64, 257, 1024
+    for program, kind in op_programs(name, n):
+        x, weight, bias = linear_inputs(m, k, n, dtype)
+        columns = torch.arange(len(SPECIAL_VALUES), device="cuda") * 97 + 5
+        weight[columns] = 0
+        bias[columns] = torch.tensor(SPECIAL_VALUES, device="cuda").to(dtype)
+        params = make_params(kind, m, n, dtype)
+        got = torch.ops.fxfuse.gemm_epilogue(x, weight, bias, params, program).double()
+        ref = run_reference(x.double(), weight.double(), bias.double(), [p.double() for p in params],
+                            reference_program(program, dtype)).to(dtype).double()
+        mismatch = (torch.isnan(got) != torch.isnan(ref)) | (torch.isinf(ref) & (got != ref))
+        mismatch |= torch.isinf(got) & ~torch.isinf(ref) & ~torch.isnan(ref)
+        if mismatch.any():
+            first = tuple(int(i) for i in mismatch.nonzero()[0])
+            pytest.fail(f"{program}: {int(mismatch.sum())} elements differ in kind from the reference; first at "
+                        f"{first}: got {got[first].item()!r}, reference {ref[first].item()!r}")
+        error = relative_error(got.nan_to_num(), ref.nan_to_num())
+        assert error <= BOUNDS["fp32" if dtype == torch.float32 else dtype], f"{program}: relative error {error:.3g}"
+
+
 # ---------------------------------------------------------------- shapes and group counts
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"], indirect=True)
