@@ -3,8 +3,9 @@
 Usage: python dev/variant_bench.py dev/variants/NN_name.patch  (one variant per process: each registers the op)
        python dev/variant_bench.py current                   (kernels/ as it is)
 Prints, per example program and dtype at 1024 x 8192 -> 8192, the epilogue kernels' CUDA time per call
-(torch.profiler; the row kernel and the broadcast tail apart where there is a tail) and the share of the copy
-bandwidth it reaches.
+(torch.profiler; the row kernel and the broadcast tail apart where there is a tail), the share of the copy
+bandwidth it reaches, and the whole op's time (GEMM and epilogue) over the GEMM alone's, each the median of 50
+calls timed with CUDA events as fxfuse.bench times them.
 """
 import sys
 import time
@@ -15,7 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils import cpp_extension
 
 import fxfuse  # noqa: F401  (defines the ops)
-from fxfuse.bench import copy_bandwidth_gbs
+from fxfuse.bench import copy_bandwidth_gbs, time_ms
 from fxfuse.kernels import NVCC_FLAGS, _arch_flags
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -36,6 +37,7 @@ for dtype in (torch.float32, torch.bfloat16):
     x = torch.randn(1024, 8192, device="cuda", dtype=dtype)
     w = torch.randn(8192, 8192, device="cuda", dtype=dtype) * 8192 ** -0.5
     b = torch.randn(8192, device="cuda", dtype=dtype)
+    gemm_ms = time_ms(lambda: torch.nn.functional.linear(x, w, b), [[]], runs=50)
     for name, (program, shapes) in PROGRAMS.items():
         params = [torch.randn(s, device="cuda", dtype=dtype) for s in shapes]
         call = lambda: torch.ops.fxfuse.gemm_epilogue(x, w, b, params, program)
@@ -50,7 +52,8 @@ for dtype in (torch.float32, torch.bfloat16):
         us = sum(kernel_us.values())
         nbytes = x.shape[0] * w.shape[0] * x.element_size() + out.numel() * out.element_size()
         floor = nbytes / (bandwidth * 1e9) * 1e6
+        op_ratio = time_ms(call, [[]], runs=50) / gemm_ms
         print(f"{patch.stem:<12} {str(dtype)[6:]:<9} {name:<10} {us:7.1f} us  floor {floor:5.1f} us  "
-              f"{floor / us * 100:4.0f}% of copy bandwidth"
+              f"{floor / us * 100:4.0f}% of copy bandwidth  op/GEMM {op_ratio:.3f}"
               + (f"  (row {kernel_us['row_program']:.1f} + tail {kernel_us['broadcast_tail']:.1f} us)"
                  if kernel_us["broadcast_tail"] else ""))
