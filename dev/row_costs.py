@@ -1,6 +1,7 @@
 """Epilogue kernel time of small programs at full size (1024 x 8192 -> 8192), to price each piece of a program.
 
 Usage: python dev/row_costs.py [bf16|fp32]   (kernels/ as it is; prints CUDA µs per call of the epilogue kernels)
+The first line is the yardstick: torch's in-place `mul_` over the output of the same `F.linear` (TF32 allowed).
 """
 import sys
 
@@ -25,14 +26,24 @@ assert fxfuse.kernels.load()
 x = torch.randn(1024, 8192, device="cuda", dtype=dtype)
 w = torch.randn(8192, 8192, device="cuda", dtype=dtype) * 8192 ** -0.5
 b = torch.randn(8192, device="cuda", dtype=dtype)
-for program, shapes in PROGRAMS:
-    params = [torch.randn(s, device="cuda", dtype=dtype) for s in shapes]
-    call = lambda: torch.ops.fxfuse.gemm_epilogue(x, w, b, params, program)
+
+
+def kernel_us(call, name):
+    """CUDA µs per call of the kernels whose name contains `name`, over 20 calls after one warm-up call."""
     call()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(20):
             call()
         torch.cuda.synchronize()
-    us = sum(e.device_time_total for e in prof.key_averages() if "row_program" in e.key) / 20
+    return sum(e.device_time_total for e in prof.key_averages() if name in e.key) / 20
+
+
+torch.backends.cuda.matmul.allow_tf32 = True  # the yardstick as measured for BENCHMARKS.md
+mul_us = kernel_us(lambda: torch.nn.functional.linear(x, w, b).mul_(1.0001), "elementwise")
+print(f"{str(dtype)[6:]:<9} {mul_us:6.1f} us  torch's in-place mul_ after F.linear")
+torch.backends.cuda.matmul.allow_tf32 = False
+for program, shapes in PROGRAMS:
+    params = [torch.randn(s, device="cuda", dtype=dtype) for s in shapes]
+    us = kernel_us(lambda: torch.ops.fxfuse.gemm_epilogue(x, w, b, params, program), "row_program")
     print(f"{str(dtype)[6:]:<9} {us:6.1f} us  {program}")
