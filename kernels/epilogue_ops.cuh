@@ -74,13 +74,14 @@ struct Relu {
 // fxfuse/epilogue.py::clamp (a0 = min, a1 = max; None is NaN: no bound)
 struct Clamp {
   static constexpr int num_attrs = 2;
+  __device__ static float low(const Attrs& a) { return isnan(a.a0) ? -INFINITY : a.a0; }  // once per instruction
+  __device__ static float high(const Attrs& a) { return isnan(a.a1) ? INFINITY : a.a1; }
   __device__ static float apply(float x, const Attrs& a) {
-    const float low = isnan(a.a0) ? -INFINITY : a.a0, high = isnan(a.a1) ? INFINITY : a.a1;  // per instruction
-    return minimum(maximum(x, low), high);  // a NaN x stays NaN
+    return minimum(maximum(x, low(a)), high(a));  // a NaN x stays NaN
   }
   __device__ static float backward(float x, float grad, const Attrs& a) {
-    const float low = isnan(a.a0) ? -INFINITY : a.a0, high = isnan(a.a1) ? INFINITY : a.a1;  // per instruction
-    return x >= low && x <= high ? grad : 0.0f;  // false for a NaN x, as torch's mask
+    const float lower = low(a), upper = high(a);
+    return x >= lower && x <= upper ? grad : 0.0f;  // false for a NaN x, as torch's mask
   }
 };
 
