@@ -6,9 +6,9 @@ The first line is the yardstick: torch's in-place `mul_` over the output of the 
 import sys
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import fxfuse.kernels
+from fxfuse.bench import epilogue_kernel_us
 
 PROGRAMS = [  # (program, param shapes)
     ("relu(%0)", []),
@@ -26,24 +26,12 @@ assert fxfuse.kernels.load()
 x = torch.randn(1024, 8192, device="cuda", dtype=dtype)
 w = torch.randn(8192, 8192, device="cuda", dtype=dtype) * 8192 ** -0.5
 b = torch.randn(8192, device="cuda", dtype=dtype)
-
-
-def kernel_us(call, name):
-    """CUDA µs per call of the kernels whose name contains `name`, over 20 calls after one warm-up call."""
-    call()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(20):
-            call()
-        torch.cuda.synchronize()
-    return sum(e.device_time_total for e in prof.key_averages() if name in e.key) / 20
-
-
 torch.backends.cuda.matmul.allow_tf32 = True  # the yardstick as measured for BENCHMARKS.md
-mul_us = kernel_us(lambda: torch.nn.functional.linear(x, w, b).mul_(1.0001), "elementwise")
+mul_us = epilogue_kernel_us(lambda: torch.nn.functional.linear(x, w, b).mul_(1.0001), [], 20, ("elementwise",))
 print(f"{str(dtype)[6:]:<9} {mul_us:6.1f} us  torch's in-place mul_ after F.linear")
 torch.backends.cuda.matmul.allow_tf32 = False
 for program, shapes in PROGRAMS:
     params = [torch.randn(s, device="cuda", dtype=dtype) for s in shapes]
-    us = kernel_us(lambda: torch.ops.fxfuse.gemm_epilogue(x, w, b, params, program), "row_program")
+    call = lambda: torch.ops.fxfuse.gemm_epilogue(x, w, b, params, program)
+    us = epilogue_kernel_us(call, [], 20, ("row_program",))
     print(f"{str(dtype)[6:]:<9} {us:6.1f} us  {program}")

@@ -143,8 +143,9 @@ def copy_bandwidth_gbs(nbytes: int = 1 << 30, runs: int = 20) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
-def epilogue_kernel_us(fn: Callable, inputs: list, calls: int = 10) -> float:
-    """Mean CUDA time per call of the epilogue kernels (the fused op's own launches after its GEMM)."""
+def epilogue_kernel_us(fn: Callable, inputs: list, calls: int = 10, kernels: tuple = EPILOGUE_KERNELS) -> float:
+    """Mean CUDA time per call of the epilogue kernels (the fused op's own launches after its GEMM), or of the
+    kernels whose names contain one of `kernels`."""
     from torch.profiler import ProfilerActivity, profile
 
     with torch.no_grad():
@@ -155,7 +156,7 @@ def epilogue_kernel_us(fn: Callable, inputs: list, calls: int = 10) -> float:
                 fn(*inputs)
             torch.cuda.synchronize()
     total = sum(e.device_time_total for e in prof.key_averages()
-                if any(k in e.key for k in EPILOGUE_KERNELS))
+                if any(k in e.key for k in kernels))
     return total / calls
 
 

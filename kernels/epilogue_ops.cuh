@@ -38,8 +38,8 @@ __device__ __forceinline__ float approximate_reciprocal(float x) {
 
 __device__ __forceinline__ float sigmoid_of(float x) { return approximate_reciprocal(1.0f + activation_exp(-x)); }
 
-// min and max that return NaN when either operand is NaN, and order -0 below +0 (IEEE 754-2019 minimum and
-// maximum; one instruction on sm_80 and later, against a compare, a NaN test and a select).
+// min and max that return NaN when either operand is NaN, as torch's clamp, amin and amax do: one instruction on
+// sm_80 and later, against a compare, a NaN test and a select.
 __device__ __forceinline__ float minimum(float a, float b) {
   float y;
   asm("min.NaN.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
