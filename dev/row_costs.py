@@ -1,14 +1,18 @@
 """Epilogue kernel time of small programs at full size (1024 x 8192 -> 8192), to price each piece of a program.
 
-Usage: python dev/row_costs.py [bf16|fp32]   (kernels/ as it is; prints CUDA µs per call of the epilogue kernels)
+Usage: python dev/row_costs.py [bf16|fp32] [current|dev/variants/NN_name.patch]   (prints CUDA µs per call of the
+epilogue kernels; default: kernels/ as it is)
 The first line is the yardstick: torch's in-place `mul_` over the output of the same `F.linear` (TF32 allowed).
 """
 import sys
+from pathlib import Path
 
 import torch
 
-import fxfuse.kernels
 from fxfuse.bench import epilogue_kernel_us
+
+sys.path.insert(0, str(Path(__file__).parent))
+from variant_sources import load_kernels  # noqa: E402
 
 PROGRAMS = [  # (program, param shapes)
     ("relu(%0)", []),
@@ -22,7 +26,7 @@ PROGRAMS = [  # (program, param shapes)
 ]
 
 dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[sys.argv[1] if len(sys.argv) > 1 else "bf16"]
-assert fxfuse.kernels.load()
+load_kernels(sys.argv[2] if len(sys.argv) > 2 else "current")
 x = torch.randn(1024, 8192, device="cuda", dtype=dtype)
 w = torch.randn(8192, 8192, device="cuda", dtype=dtype) * 8192 ** -0.5
 b = torch.randn(8192, device="cuda", dtype=dtype)
@@ -33,5 +37,5 @@ torch.backends.cuda.matmul.allow_tf32 = False
 for program, shapes in PROGRAMS:
     params = [torch.randn(s, device="cuda", dtype=dtype) for s in shapes]
     call = lambda: torch.ops.fxfuse.gemm_epilogue(x, w, b, params, program)
-    us = epilogue_kernel_us(call, [], 20, ("row_program",))
+    us = epilogue_kernel_us(call, [], 20, ("row_program", "fast_row"))
     print(f"{str(dtype)[6:]:<9} {us:6.1f} us  {program}")

@@ -8,30 +8,18 @@ bandwidth it reaches, and the whole op's time (GEMM and epilogue) over the GEMM 
 calls timed with CUDA events as fxfuse.bench times them.
 """
 import sys
-import time
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
-from torch.utils import cpp_extension
 
-import fxfuse  # noqa: F401  (defines the ops)
 from fxfuse.bench import copy_bandwidth_gbs, time_ms
-from fxfuse.kernels import NVCC_FLAGS, _arch_flags
 
 sys.path.insert(0, str(Path(__file__).parent))
 from profile_epilogue import PROGRAMS  # noqa: E402
-from variant_sources import KERNELS, materialize  # noqa: E402
+from variant_sources import load_kernels  # noqa: E402
 
-patch = Path(sys.argv[1])
-variant = KERNELS if sys.argv[1] == "current" else materialize(patch)
-build_dir = Path("/tmp") / f"fxfuse-variant-{patch.stem}" / "build"
-build_dir.mkdir(parents=True, exist_ok=True)
-start = time.perf_counter()
-cpp_extension.load(name=f"fxfuse_variant_{patch.stem}", sources=[str(p) for p in sorted(variant.glob("*.cu"))],
-                   extra_cuda_cflags=NVCC_FLAGS + _arch_flags(), build_directory=str(build_dir),
-                   is_python_module=False)
-print(f"{patch.stem}: built in {time.perf_counter() - start:.0f} s")
+name = load_kernels(sys.argv[1])
 bandwidth = copy_bandwidth_gbs()
 for dtype in (torch.float32, torch.bfloat16):
     x = torch.randn(1024, 8192, device="cuda", dtype=dtype)
@@ -47,13 +35,13 @@ for dtype in (torch.float32, torch.bfloat16):
             for _ in range(20):
                 call()
             torch.cuda.synchronize()
-        kernel_us = {kind: sum(e.device_time_total for e in prof.key_averages() if kind in e.key) / 20
-                     for kind in ("row_program", "broadcast_tail")}
+        events = prof.key_averages()
+        kernel_us = {part: sum(e.device_time_total for e in events if any(k in e.key for k in kinds)) / 20
+                     for part, kinds in (("row", ("row_program", "fast_row")), ("tail", ("broadcast_tail",)))}
         us = sum(kernel_us.values())
         nbytes = x.shape[0] * w.shape[0] * x.element_size() + out.numel() * out.element_size()
         floor = nbytes / (bandwidth * 1e9) * 1e6
         op_ratio = time_ms(call, [[]], runs=50) / gemm_ms
-        print(f"{patch.stem:<12} {str(dtype)[6:]:<9} {name:<10} {us:7.1f} us  floor {floor:5.1f} us  "
+        print(f"{name:<12} {str(dtype)[6:]:<9} {name:<10} {us:7.1f} us  floor {floor:5.1f} us  "
               f"{floor / us * 100:4.0f}% of copy bandwidth  op/GEMM {op_ratio:.3f}"
-              + (f"  (row {kernel_us['row_program']:.1f} + tail {kernel_us['broadcast_tail']:.1f} us)"
-                 if kernel_us["broadcast_tail"] else ""))
+              + (f"  (row {kernel_us['row']:.1f} + tail {kernel_us['tail']:.1f} us)" if kernel_us["tail"] else ""))

@@ -134,14 +134,17 @@ std::string check_inputs(const at::Tensor& x, const at::Tensor& weight, const st
   return "";
 }
 
-// The row kernel (with or without slots) and the broadcast tail, where the program has them.
+// The row kernel (the fast one where the program fits it, else the general interpreter with or without slots)
+// and the broadcast tail, where the program has them.
 template <class Storage>
 void launch(const Binding& binding, const RowProgram& row, const std::optional<RowLayout>& layout,
             int64_t shared_bytes, const TailProgram& tail, cudaStream_t stream) {
   if (!binding.row_code.empty()) {
     const RowLaunch row_launch{layout->rows_per_block, shared_bytes};
     const bool general = needs_general_row_kernel(row);
-    if (binding.slots_used > 0) {
+    if (fits_fast_row_kernel(row, binding.slots_used)) {
+      launch_fast_row_program<Storage>(row, row_launch, stream);
+    } else if (binding.slots_used > 0) {
       if (general) launch_row_program<Storage, kMaxSlots, true>(row, row_launch, stream);
       else launch_row_program<Storage, kMaxSlots, false>(row, row_launch, stream);
     } else {

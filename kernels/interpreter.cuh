@@ -6,6 +6,7 @@
 //                       The grid is persistent: each block walks rows, and the next row is copied into shared
 //                       memory (cp.async) while the current one computes. Built twice: lean, and general with
 //                       the rare paths (needs_general_row_kernel in program_format.cuh says which a program needs).
+//                       Programs without slots over per-feature params run on fast_row.cuh's kernel instead.
 //   broadcast_tail_kernel  the pointwise instructions after a broadcast that outgrows the row (the min + bias
 //                       example's (1, N, M, 1) output): one pass over the output, operands read by strides.
 //
@@ -200,6 +201,22 @@ __device__ __forceinline__ void move_slot(const Instruction& ins, Values<CHUNKS,
 
 #define FXFUSE_OPCODE_CASE(name, F) case OP_##name:
 
+// A unary instruction over all of a thread's values: one dispatch of the op for up to 16 values.
+template <int CHUNKS, int VEC>
+__device__ __forceinline__ void run_unary(const Instruction& ins, Values<CHUNKS, VEC>& cur) {
+  constexpr int kWidth = CHUNKS * VEC <= 16 ? CHUNKS * VEC : VEC;
+  float* flat = &cur[0][0];
+#pragma unroll
+  for (int first = 0; first < CHUNKS * VEC; first += kWidth) {
+    Chunk<kWidth> chunk;
+#pragma unroll
+    for (int j = 0; j < kWidth; ++j) chunk.v[j] = flat[first + j];
+    chunk = apply_unary<kWidth>(chunk, ins.op, ins.attrs);
+#pragma unroll
+    for (int j = 0; j < kWidth; ++j) flat[first + j] = chunk.v[j];
+  }
+}
+
 // Runs one slot move, unary or binary instruction; returns false for the ops it does not know (row ops).
 template <int CHUNKS, int VEC, int SLOTS, class Reader>
 __device__ __forceinline__ bool run_pointwise(const Instruction& ins, Values<CHUNKS, VEC>& cur,
@@ -209,21 +226,9 @@ __device__ __forceinline__ bool run_pointwise(const Instruction& ins, Values<CHU
     case OP_LOAD:
       move_slot<CHUNKS, VEC, SLOTS>(ins, cur, slots);
       return true;
-    FXFUSE_UNARY_OPS(FXFUSE_OPCODE_CASE) {
-      // one dispatch of the op for up to 16 values
-      constexpr int kWidth = CHUNKS * VEC <= 16 ? CHUNKS * VEC : VEC;
-      float* flat = &cur[0][0];
-#pragma unroll
-      for (int first = 0; first < CHUNKS * VEC; first += kWidth) {
-        Chunk<kWidth> chunk;
-#pragma unroll
-        for (int j = 0; j < kWidth; ++j) chunk.v[j] = flat[first + j];
-        chunk = apply_unary<kWidth>(chunk, ins.op, ins.attrs);
-#pragma unroll
-        for (int j = 0; j < kWidth; ++j) flat[first + j] = chunk.v[j];
-      }
+    FXFUSE_UNARY_OPS(FXFUSE_OPCODE_CASE)
+      run_unary(ins, cur);
       return true;
-    }
 #define FXFUSE_BINARY_CASE(name, F)                             \
   case OP_##name:                                               \
     run_binary<F, CHUNKS, VEC, SLOTS>(ins, cur, slots, reader); \
@@ -631,9 +636,11 @@ __device__ __forceinline__ void run_feature_affine(const Ctx& ctx, const Instruc
 // ---------------------------------------------------------------- staging the next row in shared memory
 
 // A 16-byte copy from global to shared memory that completes in the background (cp.async, sm_80 and later).
-__device__ __forceinline__ void copy_async_16(void* shared, const void* global) {
-  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(shared));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(address), "l"(global));
+__device__ __forceinline__ void copy_async_16(unsigned shared_address, const void* global) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(shared_address), "l"(global));
+}
+__device__ __forceinline__ unsigned shared_address_of(const void* shared) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(shared));
 }
 __device__ __forceinline__ void commit_async_copies() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void wait_async_copies() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
@@ -645,10 +652,11 @@ template <class S, int CHUNKS>
 __device__ __forceinline__ void stage_chunks(const RowProgram& prog, const typename S::Raw* in, int lane,
                                              uint4* staging) {
   constexpr int VEC = S::VEC;
+  const unsigned slot = shared_address_of(staging + threadIdx.x);
 #pragma unroll
   for (int c = 0; c < CHUNKS; ++c) {
     const int first = (c * prog.threads_per_row + lane) * VEC;
-    if (first < prog.features) copy_async_16(&staging[c * blockDim.x + threadIdx.x], in + first);
+    if (first < prog.features) copy_async_16(slot + c * blockDim.x * 16, in + first);
   }
 }
 
@@ -685,8 +693,9 @@ __device__ __forceinline__ void stage_params(const RowProgram& prog) {
     uint4* copy = row_shared + p.shared_index;
     const Raw* source = static_cast<const Raw*>(p.ptr);
     if (p.vector_loads) {
+      const unsigned copy_address = shared_address_of(copy);
       for (int v = threadIdx.x; v < padded / VEC; v += blockDim.x) {
-        if (v * VEC < prog.features) copy_async_16(&copy[v], source + v * VEC);
+        if (v * VEC < prog.features) copy_async_16(copy_address + v * 16, source + v * VEC);
         else copy[v] = uint4{0, 0, 0, 0};
       }
     } else {
@@ -717,7 +726,7 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1) row_program_kernel(const __
   const int tpr_shift = __popc(prog.threads_per_row - 1);
   const int lane = threadIdx.x & (prog.threads_per_row - 1);
   const int rows_per_block = blockDim.x >> tpr_shift;
-  const int64_t row_groups = (prog.rows + rows_per_block - 1) / rows_per_block;
+  const int64_t row_groups = prog.row_groups;
   const auto clamped_row = [&](int64_t group) {
     const int64_t row = group * rows_per_block + (threadIdx.x >> tpr_shift);
     return row < prog.rows ? row : prog.rows - 1;
@@ -912,6 +921,7 @@ void launch_row_program(const RowProgram& prog, const RowLaunch& launch, cudaStr
   const RowGrid grid = row_grid(kernel, threads, shared_bytes);
 
   RowProgram staged = prog;
+  staged.row_groups = row_groups;
   const int param_vectors = kRowValues / S::VEC * prog.threads_per_row;  // CHUNKS * TPR
   const int group_vectors = static_cast<int>((launch.shared_bytes + 15) / 16);
   int64_t spare = grid.spare_shared_bytes;

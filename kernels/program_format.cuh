@@ -29,6 +29,12 @@ enum Opcode : uint8_t {
 };
 #undef FXFUSE_OPCODE
 
+// The unary opcodes are consecutive, right after OP_LOAD.
+#define FXFUSE_COUNT_OP(name, Functor) +1
+constexpr int kUnaryOpCount = 0 FXFUSE_UNARY_OPS(FXFUSE_COUNT_OP);
+#undef FXFUSE_COUNT_OP
+__host__ __device__ inline bool is_unary(uint8_t op) { return op > OP_LOAD && op <= OP_LOAD + kUnaryOpCount; }
+
 // The second operand of a binary op (the first is always the current value).
 enum Other : uint8_t { OTHER_CURRENT, OTHER_SLOT0, OTHER_SLOT1, OTHER_PARAM, OTHER_SCALAR };
 
@@ -66,6 +72,7 @@ struct RowProgram {
   const void* input;   // the GEMM output, [rows, features] contiguous
   void* output;        // [rows, features]: the input itself or a tensor of its own; [rows] after a row reduction
   int64_t rows;
+  int64_t row_groups;  // set by the launcher: rows / rows_per_block, rounded up
   int32_t features;
   int32_t num_instructions;
   int32_t threads_per_row;  // TPR, a power of 2 from 32
@@ -169,11 +176,22 @@ inline bool needs_general_row_kernel(const RowProgram& prog) {
   return false;
 }
 
+// Whether the fast row kernel (fast_row.cuh) takes a program: rows of whole vectors, no slots, nothing that needs
+// the general kernel, and every param a contiguous, 16-byte aligned per-feature vector.
+inline bool fits_fast_row_kernel(const RowProgram& prog, int slots_used) {
+  if (slots_used > 0 || needs_general_row_kernel(prog)) return false;
+  for (const RowParam& p : prog.params)
+    if (p.ptr != nullptr && (p.row_stride != 0 || p.feature_stride != 1 || !p.vector_loads)) return false;
+  return true;
+}
+
 // The launchers, explicitly instantiated one storage type, slot count and kernel generality per translation
 // unit (row_program_*.cu, broadcast_tail.cu), so that ninja compiles them in parallel; each launches on
 // `stream` and checks the launch.
 template <class Storage, int SLOTS, bool GENERAL>
 void launch_row_program(const RowProgram& prog, const RowLaunch& launch, cudaStream_t stream);
+template <class Storage>
+void launch_fast_row_program(const RowProgram& prog, const RowLaunch& launch, cudaStream_t stream);
 template <class Storage>
 void launch_broadcast_tail(const TailProgram& prog, cudaStream_t stream);
 // The backward row kernel (backward_interpreter.cuh): its persistent grid's block count for `threads` threads,

@@ -254,29 +254,33 @@ def test_rows_that_are_not_whole_vectors(n, precision):
     run_and_check(program, x, weight, bias, params, bound_for(precision))
 
 
-ROW_KERNEL_CHOICES = [  # (program, n, param kinds, whether it needs the general row kernel)
-    ("add(%0,$0);clamp(%1,-1.0,1.0);mish(%2);group_norm(%3,$1,$2,16,1e-05)", 1024, ["feature", "affine"], False),
-    ("add(%0,$0);layer_norm(%1,$1,$2,1e-05)", 1001, ["feature", "affine"], True),  # rows not whole vectors
-    ("group_norm(%0,$0,$1,500,1e-05)", 1000, ["affine"], True),           # groups of 2: staged in shared memory
-    ("batch_norm(%0,$0,$1,$2,$3,1e-05);relu(%1)", 1024, ["batch_norm"], True),
+ROW_KERNEL_CHOICES = [  # (program, n, param kinds, the row kernel that must run: fast, lean or general)
+    ("add(%0,$0);clamp(%1,-1.0,1.0);mish(%2);group_norm(%3,$1,$2,16,1e-05)", 1024, ["feature", "affine"], "fast"),
+    ("group_norm(%0,$0,$1,512,1e-05);amin(%1,1,True)", 8192, ["affine"], "fast"),  # whole-row reduction
+    ("sigmoid(%0);mul(%0,%1)", 1000, [], "lean"),                           # a slot keeps x
+    ("add(%0,$0);layer_norm(%1,None,None,1e-05)", 1024, ["full"], "lean"),  # a param per element
+    ("add(%0,$0);layer_norm(%1,$1,$2,1e-05)", 1001, ["feature", "affine"], "general"),  # rows not whole vectors
+    ("group_norm(%0,$0,$1,500,1e-05)", 1000, ["affine"], "general"),        # groups of 2: staged in shared memory
+    ("batch_norm(%0,$0,$1,$2,$3,1e-05);relu(%1)", 1024, ["batch_norm"], "general"),
 ]
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"], indirect=True)
 @pytest.mark.parametrize("case", range(len(ROW_KERNEL_CHOICES)))
-def test_the_lean_row_kernel_runs_unless_a_program_needs_the_general_one(case, precision):
+def test_the_fastest_row_kernel_that_takes_the_program_runs(case, precision):
     from torch.profiler import ProfilerActivity, profile
 
-    program, n, kinds, general = ROW_KERNEL_CHOICES[case]
+    program, n, kinds, expected = ROW_KERNEL_CHOICES[case]
     dtype = DTYPES[precision]
     x, weight, bias = linear_inputs(64, 65, n, dtype)
     params = [p for kind in kinds for p in make_params(kind, 64, n, dtype)]
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         out = torch.ops.fxfuse.gemm_epilogue(x, weight, bias, params, program)
         torch.cuda.synchronize()
-    launched = [e.key for e in prof.key_averages() if "row_program_kernel" in e.key]
+    launched = [e.key for e in prof.key_averages() if "row" in e.key and "kernel" in e.key]
     assert len(launched) == 1, launched
-    assert (", true>" in launched[0]) == general, launched[0]
+    kind = "fast" if "fast_row_kernel" in launched[0] else "general" if ", true>" in launched[0] else "lean"
+    assert kind == expected, launched[0]
     assert_close_to_reference(out, x, weight, bias, params, program, bound_for(precision))
 
 
