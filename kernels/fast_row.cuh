@@ -121,6 +121,17 @@ __device__ __forceinline__ void fast_norm(const Ctx& ctx, const Instruction& ins
   float s0[CHUNKS], s1[CHUNKS];
   norm_statistic<F::statistic>(ctx, ins, cur, s0, s1, cross_warp);
   const bool weighted = ins.param[0] >= 0, biased = ins.param[1] >= 0;
+  if (weighted && biased) {  // nn.GroupNorm's and nn.LayerNorm's affine: no per-element selects of the defaults
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) {
+      float w[VEC], b[VEC];
+      load_feature_chunk<S>(ctx.prog, ins.param[0], c, ctx.lane, w);
+      load_feature_chunk<S>(ctx.prog, ins.param[1], c, ctx.lane, b);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) cur[c][j] = F::apply(cur[c][j], s0[c], s1[c], w[j], b[j]);
+    }
+    return;
+  }
 #pragma unroll
   for (int c = 0; c < CHUNKS; ++c) {
     float w[VEC], b[VEC];
