@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from profile_epilogue import PROGRAMS  # noqa: E402
 from variant_sources import load_kernels  # noqa: E402
 
-name = load_kernels(sys.argv[1])
+variant = load_kernels(sys.argv[1])
 bandwidth = copy_bandwidth_gbs()
 for dtype in (torch.float32, torch.bfloat16):
     x = torch.randn(1024, 8192, device="cuda", dtype=dtype)
@@ -42,6 +42,6 @@ for dtype in (torch.float32, torch.bfloat16):
         nbytes = x.shape[0] * w.shape[0] * x.element_size() + out.numel() * out.element_size()
         floor = nbytes / (bandwidth * 1e9) * 1e6
         op_ratio = time_ms(call, [[]], runs=50) / gemm_ms
-        print(f"{name:<12} {str(dtype)[6:]:<9} {name:<10} {us:7.1f} us  floor {floor:5.1f} us  "
+        print(f"{variant:<12} {str(dtype)[6:]:<9} {name:<10} {us:7.1f} us  floor {floor:5.1f} us  "
               f"{floor / us * 100:4.0f}% of copy bandwidth  op/GEMM {op_ratio:.3f}"
               + (f"  (row {kernel_us['row']:.1f} + tail {kernel_us['tail']:.1f} us)" if kernel_us["tail"] else ""))

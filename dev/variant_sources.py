@@ -30,8 +30,9 @@ def materialize(patch: Path) -> Path:
 
 
 def load_kernels(arg: str) -> str:
-    """Builds the variant `arg` (a patch path, or "current" for kernels/ as it is) into its own build directory
-    and registers its CUDA implementations of the fxfuse ops (one variant per process); returns its name."""
+    """Builds the variant `arg` (a patch path) into its own build directory, or loads kernels/ as it is through
+    fxfuse.kernels for "current", and registers its CUDA implementations of the fxfuse ops (one variant per
+    process); returns its name."""
     import fxfuse.kernels  # also defines the ops the library implements
     from torch.utils import cpp_extension
 
