@@ -46,45 +46,7 @@ __global__ void row_layout(uint4* data, int rows, int tpr, bool half, bool persi
   }
 }
 
-// The row layout with `rounds` dependent FMAs on each value in fp32 (bf16 values unpacked and packed again).
-template <bool HALF>
-__global__ void row_work(uint4* data, int tpr, int rounds) {
-  constexpr int CHUNKS = HALF ? 2 : 4, VALUES = HALF ? 8 : 4;
-  uint4* p = data + (long)blockIdx.x * CHUNKS * tpr + threadIdx.x;
-  float v[CHUNKS][VALUES];
-#pragma unroll
-  for (int c = 0; c < CHUNKS; ++c) {
-    const uint4 raw = p[c * tpr];
-    const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      if (HALF) {
-        v[c][2 * k] = __uint_as_float(w[k] << 16);
-        v[c][2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
-      } else {
-        v[c][k] = __uint_as_float(w[k]);
-      }
-    }
-  }
-  for (int r = 0; r < rounds; ++r)
-#pragma unroll
-    for (int c = 0; c < CHUNKS; ++c)
-#pragma unroll
-      for (int j = 0; j < VALUES; ++j) v[c][j] = fmaf(v[c][j], 1.0001f, -0.0001f);
-#pragma unroll
-  for (int c = 0; c < CHUNKS; ++c) {
-    unsigned w[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-      w[k] = HALF ? (__float_as_uint(v[c][2 * k]) >> 16) | (__float_as_uint(v[c][2 * k + 1]) & 0xffff0000u)
-                  : __float_as_uint(v[c][k]);
-    p[c * tpr] = {w[0], w[1], w[2], w[3]};
-  }
-}
-
-// A group norm over groups of 16 contiguous values (a statistic per chunk, LANES lanes per group), no affine:
-// the row kernel's group_norm(512 groups) with its layout and reductions, at the given occupancy, one row a block
-// or a persistent grid walking rows.
+// 16 bytes of storage <-> fp32 values.
 template <bool HALF>
 __device__ __forceinline__ void unpack(uint4 raw, float (&v)[HALF ? 8 : 4]) {
   const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
@@ -99,6 +61,37 @@ __device__ __forceinline__ void unpack(uint4 raw, float (&v)[HALF ? 8 : 4]) {
   }
 }
 
+// bf16 by truncation (the probe times memory, not rounding).
+template <bool HALF>
+__device__ __forceinline__ uint4 pack(const float (&v)[HALF ? 8 : 4]) {
+  unsigned w[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k)
+    w[k] = HALF ? (__float_as_uint(v[2 * k]) >> 16) | (__float_as_uint(v[2 * k + 1]) & 0xffff0000u)
+                : __float_as_uint(v[k]);
+  return {w[0], w[1], w[2], w[3]};
+}
+
+// The row layout with `rounds` dependent FMAs on each value in fp32 (bf16 values unpacked and packed again).
+template <bool HALF>
+__global__ void row_work(uint4* data, int tpr, int rounds) {
+  constexpr int CHUNKS = HALF ? 2 : 4, VALUES = HALF ? 8 : 4;
+  uint4* p = data + (long)blockIdx.x * CHUNKS * tpr + threadIdx.x;
+  float v[CHUNKS][VALUES];
+#pragma unroll
+  for (int c = 0; c < CHUNKS; ++c) unpack<HALF>(p[c * tpr], v[c]);
+  for (int r = 0; r < rounds; ++r)
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c)
+#pragma unroll
+      for (int j = 0; j < VALUES; ++j) v[c][j] = fmaf(v[c][j], 1.0001f, -0.0001f);
+#pragma unroll
+  for (int c = 0; c < CHUNKS; ++c) p[c * tpr] = pack<HALF>(v[c]);
+}
+
+// A group norm over groups of 16 contiguous values (a statistic per chunk, LANES lanes per group), no affine:
+// the row kernel's group_norm(512 groups) with its layout and reductions, at the given occupancy, one row a block
+// or a persistent grid walking rows.
 template <bool HALF>
 __global__ void row_norm(uint4* data, int rows, int tpr, bool persistent, const uint4* weight, const uint4* bias) {
   constexpr int CHUNKS = HALF ? 2 : 4, VALUES = HALF ? 8 : 4, LANES = 16 / VALUES;
@@ -106,19 +99,7 @@ __global__ void row_norm(uint4* data, int rows, int tpr, bool persistent, const 
     uint4* p = data + (long)row * CHUNKS * tpr + threadIdx.x;
     float v[CHUNKS][VALUES];
 #pragma unroll
-    for (int c = 0; c < CHUNKS; ++c) {
-      const uint4 raw = p[c * tpr];
-      const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        if (HALF) {
-          v[c][2 * k] = __uint_as_float(w[k] << 16);
-          v[c][2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
-        } else {
-          v[c][k] = __uint_as_float(w[k]);
-        }
-      }
-    }
+    for (int c = 0; c < CHUNKS; ++c) unpack<HALF>(p[c * tpr], v[c]);
 #pragma unroll
     for (int c = 0; c < CHUNKS; ++c) {
       float sum = 0.0f;
@@ -145,14 +126,7 @@ __global__ void row_norm(uint4* data, int rows, int tpr, bool persistent, const 
       }
     }
 #pragma unroll
-    for (int c = 0; c < CHUNKS; ++c) {
-      unsigned w[4];
-#pragma unroll
-      for (int k = 0; k < 4; ++k)
-        w[k] = HALF ? (__float_as_uint(v[c][2 * k]) >> 16) | (__float_as_uint(v[c][2 * k + 1]) & 0xffff0000u)
-                    : __float_as_uint(v[c][k]);
-      p[c * tpr] = {w[0], w[1], w[2], w[3]};
-    }
+    for (int c = 0; c < CHUNKS; ++c) p[c * tpr] = pack<HALF>(v[c]);
   }
 }
 
