@@ -4,8 +4,9 @@ Usage: python dev/variant_bench.py dev/variants/NN_name.patch  (one variant per 
        python dev/variant_bench.py current                   (kernels/ as it is)
 Prints, per example program and dtype at 1024 x 8192 -> 8192, the epilogue kernels' CUDA time per call
 (torch.profiler; the row kernel and the broadcast tail apart where there is a tail), the share of the copy
-bandwidth it reaches, and the whole op's time (GEMM and epilogue) over the GEMM alone's, each the median of 50
-calls timed with CUDA events as fxfuse.bench times them.
+bandwidth it reaches, the whole op's time (GEMM and epilogue) over the GEMM alone's, each the median of 50
+calls timed with CUDA events as fxfuse.bench times them, and the result's error against the float64 reference
+(||out - ref|| / ||ref||: the CUDA tests' bound is 1e-5 for fp32, 1e-2 for bf16).
 """
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from fxfuse.bench import copy_bandwidth_gbs, time_ms
+from fxfuse.program import run_reference
 
 sys.path.insert(0, str(Path(__file__).parent))
 from profile_epilogue import PROGRAMS  # noqa: E402
@@ -30,7 +32,8 @@ for dtype in (torch.float32, torch.bfloat16):
         params = [torch.randn(s, device="cuda", dtype=dtype) for s in shapes]
         call = lambda: torch.ops.fxfuse.gemm_epilogue(x, w, b, params, program)
         out = call()
-        torch.cuda.synchronize()
+        ref = run_reference(x.double(), w.double(), b.double(), [p.double() for p in params], program)
+        error = ((out.double() - ref).norm() / ref.norm()).item()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(20):
                 call()
@@ -43,5 +46,5 @@ for dtype in (torch.float32, torch.bfloat16):
         floor = nbytes / (bandwidth * 1e9) * 1e6
         op_ratio = time_ms(call, [[]], runs=50) / gemm_ms
         print(f"{variant:<12} {str(dtype)[6:]:<9} {name:<10} {us:7.1f} us  floor {floor:5.1f} us  "
-              f"{floor / us * 100:4.0f}% of copy bandwidth  op/GEMM {op_ratio:.3f}"
+              f"{floor / us * 100:4.0f}% of copy bandwidth  op/GEMM {op_ratio:.3f}  error {error:.1e}"
               + (f"  (row {kernel_us['row']:.1f} + tail {kernel_us['tail']:.1f} us)" if kernel_us["tail"] else ""))

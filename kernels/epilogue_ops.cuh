@@ -11,6 +11,8 @@
 #include <cuda_runtime.h>
 #include <math.h>
 
+#include <type_traits>
+
 namespace fxfuse {
 
 // Scalar attributes of one instruction, in the order of the reference's keyword-only parameters, encoded by
@@ -51,6 +53,15 @@ __device__ __forceinline__ float maximum(float a, float b) {
   asm("max.NaN.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
   return y;
 }
+
+// Whether an op's functor calls libdevice's math functions (expf, erff, tanhf, log1pf, ...: tens of instructions
+// each): it says so with `static constexpr bool calls_libm = true`. The fast row kernel is also built without those
+// ops, for the programs that use none of them; their code slowed the other programs by up to 12% (dev/NOTES.md,
+// variant 37).
+template <class F, class = void>
+struct CallsLibm : std::false_type {};
+template <class F>
+struct CallsLibm<F, std::void_t<decltype(F::calls_libm)>> : std::bool_constant<F::calls_libm> {};
 
 // ================================================================ unary pointwise: y = F::apply(x, attrs)
 // num_attrs: how many attributes follow the operand in the program text. F::backward(x, grad, attrs) is the
@@ -94,6 +105,7 @@ struct LeakyRelu {
 
 // fxfuse/epilogue.py::elu (a0 = alpha, a1 = scale, a2 = input_scale)
 struct Elu {
+  static constexpr bool calls_libm = true;
   static constexpr int num_attrs = 3;
   __device__ static float apply(float x, const Attrs& a) {
     return x > 0.0f ? x * a.a1 : expm1f(x * a.a2) * a.a0 * a.a1;
@@ -105,6 +117,7 @@ struct Elu {
 
 // fxfuse/epilogue.py::gelu (a0 = approximate: 0 'none', 1 'tanh')
 struct Gelu {
+  static constexpr bool calls_libm = true;
   static constexpr int num_attrs = 1;
   __device__ static float apply(float x, const Attrs& a) {
     if (a.a0 != 0.0f) {
@@ -166,6 +179,7 @@ struct Sigmoid {
 
 // fxfuse/epilogue.py::tanh
 struct Tanh {
+  static constexpr bool calls_libm = true;
   static constexpr int num_attrs = 0;
   __device__ static float apply(float x, const Attrs&) { return tanhf(x); }
   __device__ static float backward(float x, float grad, const Attrs&) {
@@ -176,6 +190,7 @@ struct Tanh {
 
 // fxfuse/epilogue.py::softplus (a0 = beta, a1 = threshold)
 struct Softplus {
+  static constexpr bool calls_libm = true;
   static constexpr int num_attrs = 2;
   __device__ static float apply(float x, const Attrs& a) {
     const float scaled = x * a.a0;
@@ -214,6 +229,7 @@ struct Hardsigmoid {
 
 // fxfuse/epilogue.py::exp
 struct Exp {
+  static constexpr bool calls_libm = true;
   static constexpr int num_attrs = 0;
   __device__ static float apply(float x, const Attrs&) { return expf(x); }
   __device__ static float backward(float x, float grad, const Attrs&) { return grad * expf(x); }
@@ -221,6 +237,7 @@ struct Exp {
 
 // fxfuse/epilogue.py::log
 struct Log {
+  static constexpr bool calls_libm = true;
   static constexpr int num_attrs = 0;
   __device__ static float apply(float x, const Attrs&) { return logf(x); }
   __device__ static float backward(float x, float grad, const Attrs&) { return grad / x; }
@@ -237,6 +254,7 @@ struct Abs {
 
 // fxfuse/epilogue.py::pow (a0 = exponent; the exponents eager special-cases take its exact formulas)
 struct Pow {
+  static constexpr bool calls_libm = true;
   static constexpr int num_attrs = 1;
   __device__ static float apply(float x, const Attrs& a) {
     const float e = a.a0;

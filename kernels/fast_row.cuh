@@ -24,43 +24,65 @@ namespace fxfuse {
 
 // ================================================================ operands
 
+// The fast kernel's view of a row: RowContext, whose chunks are all whole where the launcher says every row is
+// (WHOLE_ROWS: features == TPR * kRowValues), so that the chunk masks of the loads, stores and statistics
+// compile away.
+template <class S, int CHUNKS, bool WHOLE_ROWS>
+struct FastRowContext : RowContext<S, CHUNKS, false> {
+  __device__ int chunk_count(int c) const {
+    return WHOLE_ROWS ? S::VEC : RowContext<S, CHUNKS, false>::chunk_count(c);
+  }
+};
+
 // Chunk c of a per-feature param in this thread's layout; a chunk past the row's end reads the first vector (its
 // values are never stored, and reductions mask them).
-template <class S, int VEC = S::VEC>
+template <class S, bool WHOLE_ROWS, int VEC = S::VEC>
 __device__ __forceinline__ void load_feature_chunk(const RowProgram& prog, int param, int c, int lane,
                                                    float (&dst)[VEC]) {
   const int vector = c * prog.threads_per_row + lane;
   const uint4* source = static_cast<const uint4*>(prog.params[param].ptr);
-  S::unpack(source[vector * VEC < prog.features ? vector : 0], dst);
+  S::unpack(source[WHOLE_ROWS || vector * VEC < prog.features ? vector : 0], dst);
 }
 
 // ================================================================ instructions
 
-template <class S, class F, int CHUNKS, int VEC>
+template <class F, int CHUNKS, int VEC>
+__device__ __forceinline__ void combine_scalar(Values<CHUNKS, VEC>& cur, float s, bool reversed) {
+  if (reversed) {
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c)
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) cur[c][j] = F::apply(s, cur[c][j]);
+  } else {
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c)
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) cur[c][j] = F::apply(cur[c][j], s);
+  }
+}
+
+template <class S, bool WHOLE_ROWS, class F, bool REVERSED, int CHUNKS, int VEC>
+__device__ __forceinline__ void combine_feature_param(const RowProgram& prog, int param, int lane,
+                                                      Values<CHUNKS, VEC>& cur) {
+#pragma unroll
+  for (int c = 0; c < CHUNKS; ++c) {
+    float p[VEC];
+    load_feature_chunk<S, WHOLE_ROWS>(prog, param, c, lane, p);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) cur[c][j] = REVERSED ? F::apply(p[j], cur[c][j]) : F::apply(cur[c][j], p[j]);
+  }
+}
+
+// A binary op against a scalar, a per-feature param or the value itself; `reversed` is tested once, not per
+// element.
+template <class S, bool WHOLE_ROWS, class F, int CHUNKS, int VEC>
 __device__ __forceinline__ void fast_binary(const RowProgram& prog, const Instruction& ins, int lane,
                                             Values<CHUNKS, VEC>& cur) {
   if (ins.other == OTHER_SCALAR) {
-    const float s = ins.attrs.a0;
-    if (ins.reversed) {
-#pragma unroll
-      for (int c = 0; c < CHUNKS; ++c)
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) cur[c][j] = F::apply(s, cur[c][j]);
-    } else {
-#pragma unroll
-      for (int c = 0; c < CHUNKS; ++c)
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) cur[c][j] = F::apply(cur[c][j], s);
-    }
+    combine_scalar<F>(cur, ins.attrs.a0, ins.reversed);
   } else if (ins.other == OTHER_PARAM) {
-    const bool reversed = ins.reversed;
-#pragma unroll
-    for (int c = 0; c < CHUNKS; ++c) {
-      float p[VEC];
-      load_feature_chunk<S>(prog, ins.param[0], c, lane, p);
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) cur[c][j] = reversed ? F::apply(p[j], cur[c][j]) : F::apply(cur[c][j], p[j]);
-    }
+    if (ins.reversed) combine_feature_param<S, WHOLE_ROWS, F, true>(prog, ins.param[0], lane, cur);
+    else combine_feature_param<S, WHOLE_ROWS, F, false>(prog, ins.param[0], lane, cur);
   } else {  // OTHER_CURRENT
 #pragma unroll
     for (int c = 0; c < CHUNKS; ++c)
@@ -85,12 +107,90 @@ __device__ __forceinline__ void warp_group_sums(const Values<CHUNKS, VEC>& cur, 
     for (int c = 0; c < CHUNKS; ++c) sums[c] += shuffle_xor(sums[c], offset);
 }
 
-// A norm's statistic (s0, s1) per chunk: inline for groups inside a warp (the examples' group norms: 16 and 32
-// features), else the general statistic code.
-template <Statistic ST, typename Ctx, int CHUNKS, int VEC>
+// Where a row's warps meet: the general statistic code's partials, and the (mean, M2) pairs of the mean and rstd
+// across warps.
+template <int CHUNKS>
+struct FastRowShared {
+  CrossWarp<CHUNKS> cross_warp;
+  float2 moments[32][CHUNKS];
+};
+
+// Chan's merge of two (mean, M2) partials of `half_count` * 2 values in all: symmetric to the bit, so both lanes
+// of a butterfly step end with the same numbers.
+__device__ __forceinline__ void merge_moments(float2& a, float2 b, float half_count) {
+  const float delta = b.x - a.x;
+  a.x = (a.x + b.x) * 0.5f;
+  a.y = (a.y + b.y) + delta * delta * half_count;
+}
+
+__device__ __forceinline__ float2 shuffle_xor(float2 v, int offset) {
+  return {shuffle_xor(v.x, offset), shuffle_xor(v.y, offset)};
+}
+
+// (mean, M2) of each chunk's group for groups of whole chunks across more than a warp, or of the whole row:
+// two-pass over each thread's VEC values, then Chan merges across chunks, lanes and warps. One exchange between
+// warps (two barriers) instead of the two of a sum and then a sum of squares.
+template <int CHUNKS, int VEC>
+__device__ __forceinline__ void cross_warp_moments(const Values<CHUNKS, VEC>& cur, const Instruction& ins,
+                                                   float2 (&moments)[CHUNKS], FastRowShared<CHUNKS>& shared) {
+#pragma unroll
+  for (int c = 0; c < CHUNKS; ++c) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) sum += cur[c][j];
+    const float mean = sum * (1.0f / VEC);
+    float m2 = 0.0f;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) m2 += (cur[c][j] - mean) * (cur[c][j] - mean);
+    moments[c] = {mean, m2};
+  }
+  float count = VEC;  // values in each partial
+  const bool whole_row = ins.chunks_per_group >= CHUNKS;
+  if (whole_row) {
+#pragma unroll
+    for (int width = CHUNKS / 2; width > 0; width /= 2) {
+#pragma unroll
+      for (int c = 0; c < width; ++c) merge_moments(moments[c], moments[c + width], count * 0.5f);
+      count *= 2.0f;
+    }
+  }
+  const int parts = whole_row ? 1 : CHUNKS;
+  for (int offset = 1; offset < 32; offset <<= 1) {
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c)
+      if (c < parts) merge_moments(moments[c], shuffle_xor(moments[c], offset), count * 0.5f);
+    count *= 2.0f;
+  }
+  const int warp = threadIdx.x / 32;
+  const int warps_per_group = ins.lanes_per_group / 32;
+  if (threadIdx.x % 32 == 0)
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c)
+      if (c < parts) shared.moments[warp][c] = moments[c];
+  __syncthreads();
+  const int partial = (warp & ~(warps_per_group - 1)) | (threadIdx.x & (warps_per_group - 1));  // powers of 2
+#pragma unroll
+  for (int c = 0; c < CHUNKS; ++c)
+    if (c < parts) moments[c] = shared.moments[partial][c];
+  for (int offset = 1; offset < warps_per_group; offset <<= 1) {
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c)
+      if (c < parts) merge_moments(moments[c], shuffle_xor(moments[c], offset), count * 0.5f);
+    count *= 2.0f;
+  }
+  __syncthreads();
+  if (whole_row)
+#pragma unroll
+    for (int c = 1; c < CHUNKS; ++c) moments[c] = moments[0];
+}
+
+// A norm's statistic (s0, s1) per chunk: inline for groups inside a warp (the examples' group norms of 16 and 32
+// features) and, for mean and rstd, with one exchange for groups across warps on whole rows; else the general
+// statistic code.
+template <Statistic ST, bool WHOLE_ROWS, typename Ctx, int CHUNKS, int VEC>
 __device__ __forceinline__ void norm_statistic(const Ctx& ctx, const Instruction& ins, Values<CHUNKS, VEC>& cur,
                                                float (&s0)[CHUNKS], float (&s1)[CHUNKS],
-                                               CrossWarp<CHUNKS>& cross_warp) {
+                                               FastRowShared<CHUNKS>& shared) {
   const bool in_warp = ins.chunks_per_group == 1 && ins.lanes_per_group <= 32;
   if constexpr (ST == Statistic::MeanAndRstd) {
     if (in_warp) {
@@ -103,6 +203,14 @@ __device__ __forceinline__ void norm_statistic(const Ctx& ctx, const Instruction
       for (int c = 0; c < CHUNKS; ++c) s1[c] = rsqrtf(s1[c] * inv_size + ins.attrs.a0);
       return;
     }
+    if (WHOLE_ROWS && (ins.chunks_per_group == 1 || ins.chunks_per_group >= CHUNKS)) {
+      float2 moments[CHUNKS];
+      cross_warp_moments(cur, ins, moments, shared);
+      const float inv_size = 1.0f / ins.group_size;
+#pragma unroll
+      for (int c = 0; c < CHUNKS; ++c) s0[c] = moments[c].x, s1[c] = rsqrtf(moments[c].y * inv_size + ins.attrs.a0);
+      return;
+    }
   } else if constexpr (ST == Statistic::RootMeanSquare) {
     if (in_warp) {
       const float inv_size = 1.0f / ins.group_size;
@@ -112,21 +220,21 @@ __device__ __forceinline__ void norm_statistic(const Ctx& ctx, const Instruction
       return;
     }
   }
-  compute_statistic<ST>(ctx, ins, cur, s0, s1, cross_warp, nullptr);
+  compute_statistic<ST>(ctx, ins, cur, s0, s1, shared.cross_warp, nullptr);
 }
 
-template <class S, class F, typename Ctx, int CHUNKS, int VEC>
+template <class S, bool WHOLE_ROWS, class F, typename Ctx, int CHUNKS, int VEC>
 __device__ __forceinline__ void fast_norm(const Ctx& ctx, const Instruction& ins, Values<CHUNKS, VEC>& cur,
-                                          CrossWarp<CHUNKS>& cross_warp) {
+                                          FastRowShared<CHUNKS>& shared) {
   float s0[CHUNKS], s1[CHUNKS];
-  norm_statistic<F::statistic>(ctx, ins, cur, s0, s1, cross_warp);
+  norm_statistic<F::statistic, WHOLE_ROWS>(ctx, ins, cur, s0, s1, shared);
   const bool weighted = ins.param[0] >= 0, biased = ins.param[1] >= 0;
   if (weighted && biased) {  // nn.GroupNorm's and nn.LayerNorm's affine: no per-element selects of the defaults
 #pragma unroll
     for (int c = 0; c < CHUNKS; ++c) {
       float w[VEC], b[VEC];
-      load_feature_chunk<S>(ctx.prog, ins.param[0], c, ctx.lane, w);
-      load_feature_chunk<S>(ctx.prog, ins.param[1], c, ctx.lane, b);
+      load_feature_chunk<S, WHOLE_ROWS>(ctx.prog, ins.param[0], c, ctx.lane, w);
+      load_feature_chunk<S, WHOLE_ROWS>(ctx.prog, ins.param[1], c, ctx.lane, b);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) cur[c][j] = F::apply(cur[c][j], s0[c], s1[c], w[j], b[j]);
     }
@@ -135,8 +243,8 @@ __device__ __forceinline__ void fast_norm(const Ctx& ctx, const Instruction& ins
 #pragma unroll
   for (int c = 0; c < CHUNKS; ++c) {
     float w[VEC], b[VEC];
-    if (weighted) load_feature_chunk<S>(ctx.prog, ins.param[0], c, ctx.lane, w);
-    if (biased) load_feature_chunk<S>(ctx.prog, ins.param[1], c, ctx.lane, b);
+    if (weighted) load_feature_chunk<S, WHOLE_ROWS>(ctx.prog, ins.param[0], c, ctx.lane, w);
+    if (biased) load_feature_chunk<S, WHOLE_ROWS>(ctx.prog, ins.param[1], c, ctx.lane, b);
 #pragma unroll
     for (int j = 0; j < VEC; ++j)
       cur[c][j] = F::apply(cur[c][j], s0[c], s1[c], weighted ? w[j] : 1.0f, biased ? b[j] : 0.0f);
@@ -146,9 +254,9 @@ __device__ __forceinline__ void fast_norm(const Ctx& ctx, const Instruction& ins
 // A row reduction's result in every element, so that later pointwise ops broadcast it for free.
 template <class F, typename Ctx, int CHUNKS, int VEC>
 __device__ __forceinline__ void fast_reduction(const Ctx& ctx, const Instruction& ins, Values<CHUNKS, VEC>& cur,
-                                               CrossWarp<CHUNKS>& cross_warp) {
+                                               FastRowShared<CHUNKS>& shared) {
   float s0[CHUNKS], s1[CHUNKS];
-  compute_statistic<F::statistic>(ctx, ins, cur, s0, s1, cross_warp, nullptr);
+  compute_statistic<F::statistic>(ctx, ins, cur, s0, s1, shared.cross_warp, nullptr);
   const float result = F::result(s0[0], s1[0], ctx.prog.features);
 #pragma unroll
   for (int c = 0; c < CHUNKS; ++c)
@@ -156,29 +264,29 @@ __device__ __forceinline__ void fast_reduction(const Ctx& ctx, const Instruction
     for (int j = 0; j < VEC; ++j) cur[c][j] = result;
 }
 
-template <class S, typename Ctx, int CHUNKS, int VEC>
+template <class S, bool WHOLE_ROWS, bool ALL_UNARY_OPS, typename Ctx, int CHUNKS, int VEC>
 __device__ __forceinline__ void fast_instruction(const Ctx& ctx, const Instruction& ins, Values<CHUNKS, VEC>& cur,
-                                                 CrossWarp<CHUNKS>& cross_warp) {
+                                                 FastRowShared<CHUNKS>& shared) {
   if (is_unary(ins.op)) {  // one range test before the unary ops' own switch, not a place in the flat one
-    run_unary(ins, cur);
+    run_unary<ALL_UNARY_OPS>(ins, cur);
     return;
   }
   switch (ins.op) {
 #define FXFUSE_FAST_BINARY_CASE(name, F)               \
   case OP_##name:                                      \
-    fast_binary<S, F>(ctx.prog, ins, ctx.lane, cur);   \
+    fast_binary<S, WHOLE_ROWS, F>(ctx.prog, ins, ctx.lane, cur); \
     break;
     FXFUSE_BINARY_OPS(FXFUSE_FAST_BINARY_CASE)
 #undef FXFUSE_FAST_BINARY_CASE
 #define FXFUSE_FAST_NORM_CASE(name, F)          \
   case OP_##name:                               \
-    fast_norm<S, F>(ctx, ins, cur, cross_warp); \
+    fast_norm<S, WHOLE_ROWS, F>(ctx, ins, cur, shared);     \
     break;
     FXFUSE_NORM_OPS(FXFUSE_FAST_NORM_CASE)
 #undef FXFUSE_FAST_NORM_CASE
 #define FXFUSE_FAST_REDUCTION_CASE(name, F)       \
   case OP_##name:                                 \
-    fast_reduction<F>(ctx, ins, cur, cross_warp); \
+    fast_reduction<F>(ctx, ins, cur, shared);     \
     break;
     FXFUSE_REDUCTION_OPS(FXFUSE_FAST_REDUCTION_CASE)
 #undef FXFUSE_FAST_REDUCTION_CASE
@@ -189,42 +297,49 @@ __device__ __forceinline__ void fast_instruction(const Ctx& ctx, const Instructi
 
 // ================================================================ the kernel
 
-// Block: (blockDim.x / TPR) rows of TPR threads; each block takes every gridDim.x-th group of rows.
-template <class S>
+// Block: (blockDim.x / TPR) rows of TPR threads; each block takes every gridDim.x-th group of rows. Offsets
+// within a row are 32-bit; the row's own offset is one 64-bit multiply.
+template <class S, bool WHOLE_ROWS, bool ALL_UNARY_OPS>
 __global__ void __launch_bounds__(kMaxRowThreads, 1) fast_row_kernel(const __grid_constant__ RowProgram prog) {
   constexpr int VEC = S::VEC;
   constexpr int CHUNKS = kRowValues / VEC;
-  using Ctx = RowContext<S, CHUNKS, false>;
+  using Ctx = FastRowContext<S, CHUNKS, WHOLE_ROWS>;
   using Raw = typename S::Raw;
-  __shared__ CrossWarp<CHUNKS> cross_warp;
+  __shared__ FastRowShared<CHUNKS> shared;
   const int tpr_shift = __popc(prog.threads_per_row - 1);  // TPR is a power of 2
   const int lane = threadIdx.x & (prog.threads_per_row - 1);
   const int rows_per_block = blockDim.x >> tpr_shift;
+  const int chunk_stride = prog.threads_per_row * VEC;  // elements between a thread's chunks
+  Raw* output = static_cast<Raw*>(prog.output);
+
+  uint4* staging = row_shared;
+  const auto clamped_row = [&](int64_t group) {
+    const int64_t row = group * rows_per_block + (threadIdx.x >> tpr_shift);
+    return row < prog.rows ? row : prog.rows - 1;
+  };
+  if (blockIdx.x < prog.row_groups) stage_row<S, CHUNKS>(prog, clamped_row(blockIdx.x), lane, staging);
 
   for (int64_t group = blockIdx.x; group < prog.row_groups; group += gridDim.x) {
     const int64_t row = group * rows_per_block + (threadIdx.x >> tpr_shift);
-    const Ctx ctx{prog, row < prog.rows ? row : prog.rows - 1, lane};  // idle rows compute and never store
+    const Ctx ctx{{prog, clamped_row(group), lane}};  // idle rows compute and never store
     float cur[CHUNKS][VEC];
-    const Raw* in = static_cast<const Raw*>(prog.input) + ctx.row * prog.features;
-#pragma unroll
-    for (int c = 0; c < CHUNKS; ++c) {
-      if (ctx.chunk_count(c) > 0) load_vector<S>(in + ctx.element(c, 0), cur[c]);
-      else
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) cur[c][j] = 0.0f;
-    }
+    wait_async_copies();
+    unstage_chunks<S>(ctx, staging, cur);
+    if (group + gridDim.x < prog.row_groups)
+      stage_row<S, CHUNKS>(prog, clamped_row(group + gridDim.x), lane, staging);
 
-    for (int pc = 0; pc < prog.num_instructions; ++pc) fast_instruction<S>(ctx, prog.code[pc], cur, cross_warp);
+    for (int pc = 0; pc < prog.num_instructions; ++pc)
+      fast_instruction<S, WHOLE_ROWS, ALL_UNARY_OPS>(ctx, prog.code[pc], cur, shared);
 
     if (row >= prog.rows) continue;
     if (prog.output_per_row) {
-      if (lane == 0) static_cast<Raw*>(prog.output)[row] = S::from_float(cur[0][0]);
+      if (lane == 0) output[row] = S::from_float(cur[0][0]);
       continue;
     }
-    Raw* out = static_cast<Raw*>(prog.output) + row * prog.features;
+    Raw* out = output + row * prog.features + lane * VEC;
 #pragma unroll
     for (int c = 0; c < CHUNKS; ++c)
-      if (ctx.chunk_count(c) > 0) store_vector<S>(out + ctx.element(c, 0), cur[c]);
+      if (ctx.chunk_count(c) > 0) store_vector<S>(out + c * chunk_stride, cur[c]);
   }
 }
 
@@ -232,13 +347,17 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1) fast_row_kernel(const __gri
 
 template <class S>
 void launch_fast_row_program(const RowProgram& prog, const RowLaunch& launch, cudaStream_t stream) {
-  const auto kernel = fast_row_kernel<S>;
+  const bool whole_rows = prog.features == prog.threads_per_row * kRowValues;
+  const bool all_unary_ops = uses_libm_unary_op(prog);
+  const auto kernel = whole_rows ? (all_unary_ops ? fast_row_kernel<S, true, true> : fast_row_kernel<S, true, false>)
+                                 : (all_unary_ops ? fast_row_kernel<S, false, true> : fast_row_kernel<S, false, false>);
   const int threads = launch.rows_per_block * prog.threads_per_row;
   RowProgram sized = prog;
   sized.row_groups = (prog.rows + launch.rows_per_block - 1) / launch.rows_per_block;
-  const RowGrid grid = row_grid(kernel, threads, 0);
+  const int64_t staging_bytes = int64_t{threads} * kRowValues * sizeof(typename S::Raw);
+  const RowGrid grid = row_grid(kernel, threads, staging_bytes);
   const unsigned blocks = static_cast<unsigned>(std::min(sized.row_groups, grid.blocks));
-  kernel<<<blocks, threads, 0, stream>>>(sized);
+  kernel<<<blocks, threads, staging_bytes, stream>>>(sized);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -121,12 +121,14 @@ struct Chunk {
 
 // Every unary op on up to 16 values, inlined: the out-of-line version (one copy per width, called per chunk) ran
 // 5-12% slower on an H200 (dev/NOTES.md, variant 07).
-template <int VEC>
+// ALL_UNARY_OPS false: the ops that call no libdevice function only (CallsLibm; the fast row kernel's light build).
+template <int VEC, bool ALL_UNARY_OPS = true>
 __device__ __forceinline__ Chunk<VEC> apply_unary(Chunk<VEC> x, uint8_t op, Attrs attrs) {
   switch (op) {
-#define FXFUSE_UNARY_CASE(name, F)                                                       \
-  case OP_##name:                                                                        \
-    _Pragma("unroll") for (int j = 0; j < VEC; ++j) x.v[j] = F::apply(x.v[j], attrs);   \
+#define FXFUSE_UNARY_CASE(name, F)                                                         \
+  case OP_##name:                                                                          \
+    if constexpr (ALL_UNARY_OPS || !CallsLibm<F>::value)                                   \
+      _Pragma("unroll") for (int j = 0; j < VEC; ++j) x.v[j] = F::apply(x.v[j], attrs);   \
     break;
     FXFUSE_UNARY_OPS(FXFUSE_UNARY_CASE)
 #undef FXFUSE_UNARY_CASE
@@ -202,7 +204,7 @@ __device__ __forceinline__ void move_slot(const Instruction& ins, Values<CHUNKS,
 #define FXFUSE_OPCODE_CASE(name, F) case OP_##name:
 
 // A unary instruction over all of a thread's values: one dispatch of the op for up to 16 values.
-template <int CHUNKS, int VEC>
+template <bool ALL_UNARY_OPS = true, int CHUNKS, int VEC>
 __device__ __forceinline__ void run_unary(const Instruction& ins, Values<CHUNKS, VEC>& cur) {
   constexpr int kWidth = CHUNKS * VEC <= 16 ? CHUNKS * VEC : VEC;
   float* flat = &cur[0][0];
@@ -211,7 +213,7 @@ __device__ __forceinline__ void run_unary(const Instruction& ins, Values<CHUNKS,
     Chunk<kWidth> chunk;
 #pragma unroll
     for (int j = 0; j < kWidth; ++j) chunk.v[j] = flat[first + j];
-    chunk = apply_unary<kWidth>(chunk, ins.op, ins.attrs);
+    chunk = apply_unary<kWidth, ALL_UNARY_OPS>(chunk, ins.op, ins.attrs);
 #pragma unroll
     for (int j = 0; j < kWidth; ++j) flat[first + j] = chunk.v[j];
   }

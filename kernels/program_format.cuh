@@ -185,6 +185,24 @@ inline bool fits_fast_row_kernel(const RowProgram& prog, int slots_used) {
   return true;
 }
 
+// Whether a program uses a unary op that calls libdevice (CallsLibm): the fast row kernel's build without them
+// does not take it.
+inline bool uses_libm_unary_op(const RowProgram& prog) {
+  for (int pc = 0; pc < prog.num_instructions; ++pc) {
+    switch (prog.code[pc].op) {
+#define FXFUSE_LIBM_CASE(name, F) \
+  case OP_##name:                 \
+    if (CallsLibm<F>::value) return true; \
+    break;
+      FXFUSE_UNARY_OPS(FXFUSE_LIBM_CASE)
+#undef FXFUSE_LIBM_CASE
+      default:
+        break;
+    }
+  }
+  return false;
+}
+
 // The launchers, explicitly instantiated one storage type, slot count and kernel generality per translation
 // unit (row_program_*.cu, broadcast_tail.cu), so that ninja compiles them in parallel; each launches on
 // `stream` and checks the launch.

@@ -254,15 +254,30 @@ def test_rows_that_are_not_whole_vectors(n, precision):
     run_and_check(program, x, weight, bias, params, bound_for(precision))
 
 
-ROW_KERNEL_CHOICES = [  # (program, n, param kinds, the row kernel that must run: fast, lean or general)
-    ("add(%0,$0);clamp(%1,-1.0,1.0);mish(%2);group_norm(%3,$1,$2,16,1e-05)", 1024, ["feature", "affine"], "fast"),
-    ("group_norm(%0,$0,$1,512,1e-05);amin(%1,1,True)", 8192, ["affine"], "fast"),  # whole-row reduction
+ROW_KERNEL_CHOICES = [  # (program, n, param kinds, the row kernel that must run)
+    # the fast kernel: "fast", then "whole" (rows of TPR * 16 values) or "part", then "all" (every unary op compiled
+    # in) or "light" (none that calls libdevice)
+    ("add(%0,$0);clamp(%1,-1.0,1.0);mish(%2);group_norm(%3,$1,$2,16,1e-05)", 1024, ["feature", "affine"],
+     "fast whole light"),
+    ("group_norm(%0,$0,$1,512,1e-05);amin(%1,1,True)", 8192, ["affine"], "fast whole light"),  # whole-row reduction
+    ("gelu(%0,'none');layer_norm(%1,$0,$1,1e-05)", 1000, ["affine"], "fast part all"),
+    ("exp(%0);group_norm(%1,$0,$1,4,1e-05)", 2048, ["affine"], "fast whole all"),  # groups of 512 across warps
+    ("layer_norm(%0,$0,$1,1e-05);relu(%1)", 4096, ["affine"], "fast whole light"),  # whole rows across warps
     ("sigmoid(%0);mul(%0,%1)", 1000, [], "lean"),                           # a slot keeps x
     ("add(%0,$0);layer_norm(%1,None,None,1e-05)", 1024, ["full"], "lean"),  # a param per element
     ("add(%0,$0);layer_norm(%1,$1,$2,1e-05)", 1001, ["feature", "affine"], "general"),  # rows not whole vectors
     ("group_norm(%0,$0,$1,500,1e-05)", 1000, ["affine"], "general"),        # groups of 2: staged in shared memory
     ("batch_norm(%0,$0,$1,$2,$3,1e-05);relu(%1)", 1024, ["batch_norm"], "general"),
 ]
+
+
+def row_kernel_kind(name: str) -> str:
+    """"fast whole light" and the like for the fast kernel (its template flags), else "general" or "lean"."""
+    if "fast_row_kernel" in name:
+        _storage, whole_rows, all_unary_ops = name.split("<")[1].split(">")[0].split(", ")
+        rows = "whole" if whole_rows == "true" else "part"
+        return f"fast {rows} {'all' if all_unary_ops == 'true' else 'light'}"
+    return "general" if ", true>" in name else "lean"
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"], indirect=True)
@@ -279,8 +294,7 @@ def test_the_fastest_row_kernel_that_takes_the_program_runs(case, precision):
         torch.cuda.synchronize()
     launched = [e.key for e in prof.key_averages() if "row" in e.key and "kernel" in e.key]
     assert len(launched) == 1, launched
-    kind = "fast" if "fast_row_kernel" in launched[0] else "general" if ", true>" in launched[0] else "lean"
-    assert kind == expected, launched[0]
+    assert row_kernel_kind(launched[0]) == expected, launched[0]
     assert_close_to_reference(out, x, weight, bias, params, program, bound_for(precision))
 
 
@@ -330,6 +344,28 @@ def test_program_families(family, precision):
     params = [torch.randn(resolve(s, m, n), device="cuda").to(dtype) for s in param_shapes]
     out_shape = {None: (m, n), "rows": (m,), "rows_keep": (m, 1), "broadcast": (1, n, m, 1)}[output]
     run_and_check(program, x, weight, bias, params, bound_for(precision), out_shape)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"], indirect=True)
+def test_the_broadcast_tail_writes_into_the_dead_gemm_output(precision):
+    """min + bias's (1, N, M, 1) output has the GEMM output's size, and the GEMM output is dead once the row kernel
+    has read it: the call allocates one buffer of that size, not two."""
+    dtype = DTYPES[precision]
+    m, n = 512, 2048
+    x, weight, bias = linear_inputs(m, 64, n, dtype)
+    params = [torch.randn(n, device="cuda").to(dtype), torch.randn(n, device="cuda").to(dtype),
+              torch.randn(1, n, 1, 1, device="cuda").to(dtype)]
+    program = "group_norm(%0,$0,$1,8,1e-05);amin(%1,1,True);add(%2,$2)"
+    torch.ops.fxfuse.gemm_epilogue(x, weight, bias, params, program)  # cuBLAS's workspace is allocated once
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = torch.ops.fxfuse.gemm_epilogue(x, weight, bias, params, program)
+    peak = torch.cuda.max_memory_allocated() - before
+    gemm_output_bytes = m * n * x.element_size()
+    assert out.shape == (1, n, m, 1) and out.is_contiguous()
+    assert gemm_output_bytes <= peak < 1.5 * gemm_output_bytes, (peak, gemm_output_bytes)
+    assert_close_to_reference(out, x, weight, bias, params, program, bound_for(precision))
 
 
 @pytest.mark.parametrize("program", ["", "relu(%0)", "add(%0,$0)"])
