@@ -5,12 +5,16 @@
 //   y[row] = program(gemm_output[row]), or one value per row after a row reduction.
 //
 // Strategy: a persistent grid of row groups, each thread holding kRowValues values of its row in registers in
-// the chunk layout of interpreter.cuh (chunk c of lane t at (c * TPR + t) * VEC), loaded straight from global
-// memory at the row's start (no staging: two resident rows per SM keep the memory busy on their own), params read
-// by pointer as 16-byte vectors, and one dispatch per instruction: a range test sends unary ops to their switch,
-// the rest switch on the op (binary ops then on the operand kind; norms and reductions into the statistic code,
-// inline for groups inside a warp). The four examples' programs ran 1.1-1.5x longer on the general kernel
-// (dev/NOTES.md, variant 31; dev/lean_probe.py is the experiment that showed the gap).
+// the chunk layout of interpreter.cuh (chunk c of lane t at (c * TPR + t) * VEC). The next row is copied into
+// shared memory (cp.async) while one computes; params are read by pointer as 16-byte vectors; one dispatch per
+// instruction: a range test sends unary ops to their switch, the rest switch on the op (binary ops then on the
+// operand kind, once; norms and reductions into the statistic code, inline for groups inside a warp, and with
+// one exchange of Chan-merged (mean, M2) pairs for groups across warps). dev/NOTES.md has the measurements of
+// each choice (variants 31-49).
+//
+// Four builds per storage type, chosen by the launcher: WHOLE_ROWS (features == TPR * kRowValues, as for 1024,
+// 2048, 4096 or 8192 features) compiles the chunk masks away; ALL_UNARY_OPS false leaves out the unary ops that
+// call libdevice (CallsLibm), whose code slowed every other program by 4-12% (variant 42).
 //
 // Limits (fits_fast_row_kernel says whether a program qualifies; the launcher in gemm_epilogue.cu falls back to
 // row_program_kernel otherwise): rows of whole 16-byte vectors, no slots, no batch_norm, groups that the lanes
@@ -272,21 +276,21 @@ __device__ __forceinline__ void fast_instruction(const Ctx& ctx, const Instructi
     return;
   }
   switch (ins.op) {
-#define FXFUSE_FAST_BINARY_CASE(name, F)               \
-  case OP_##name:                                      \
-    fast_binary<S, WHOLE_ROWS, F>(ctx.prog, ins, ctx.lane, cur); \
+#define FXFUSE_FAST_BINARY_CASE(name, F)                           \
+  case OP_##name:                                                  \
+    fast_binary<S, WHOLE_ROWS, F>(ctx.prog, ins, ctx.lane, cur);   \
     break;
     FXFUSE_BINARY_OPS(FXFUSE_FAST_BINARY_CASE)
 #undef FXFUSE_FAST_BINARY_CASE
-#define FXFUSE_FAST_NORM_CASE(name, F)          \
-  case OP_##name:                               \
-    fast_norm<S, WHOLE_ROWS, F>(ctx, ins, cur, shared);     \
+#define FXFUSE_FAST_NORM_CASE(name, F)                  \
+  case OP_##name:                                       \
+    fast_norm<S, WHOLE_ROWS, F>(ctx, ins, cur, shared); \
     break;
     FXFUSE_NORM_OPS(FXFUSE_FAST_NORM_CASE)
 #undef FXFUSE_FAST_NORM_CASE
-#define FXFUSE_FAST_REDUCTION_CASE(name, F)       \
-  case OP_##name:                                 \
-    fast_reduction<F>(ctx, ins, cur, shared);     \
+#define FXFUSE_FAST_REDUCTION_CASE(name, F)   \
+  case OP_##name:                             \
+    fast_reduction<F>(ctx, ins, cur, shared); \
     break;
     FXFUSE_REDUCTION_OPS(FXFUSE_FAST_REDUCTION_CASE)
 #undef FXFUSE_FAST_REDUCTION_CASE
@@ -297,8 +301,8 @@ __device__ __forceinline__ void fast_instruction(const Ctx& ctx, const Instructi
 
 // ================================================================ the kernel
 
-// Block: (blockDim.x / TPR) rows of TPR threads; each block takes every gridDim.x-th group of rows. Offsets
-// within a row are 32-bit; the row's own offset is one 64-bit multiply.
+// Block: (blockDim.x / TPR) rows of TPR threads; each block takes every gridDim.x-th group of rows. Staging slot c
+// of thread t is vector c * blockDim.x + t of the dynamic shared memory (stage_row, unstage_chunks).
 template <class S, bool WHOLE_ROWS, bool ALL_UNARY_OPS>
 __global__ void __launch_bounds__(kMaxRowThreads, 1) fast_row_kernel(const __grid_constant__ RowProgram prog) {
   constexpr int VEC = S::VEC;
@@ -313,20 +317,18 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1) fast_row_kernel(const __gri
   Raw* output = static_cast<Raw*>(prog.output);
 
   uint4* staging = row_shared;
-  const auto clamped_row = [&](int64_t group) {
-    const int64_t row = group * rows_per_block + (threadIdx.x >> tpr_shift);
-    return row < prog.rows ? row : prog.rows - 1;
-  };
-  if (blockIdx.x < prog.row_groups) stage_row<S, CHUNKS>(prog, clamped_row(blockIdx.x), lane, staging);
+  const auto row_of = [&](int64_t group) { return group * rows_per_block + (threadIdx.x >> tpr_shift); };
+  const auto clamped = [&](int64_t row) { return row < prog.rows ? row : prog.rows - 1; };  // idle rows: never stored
+  if (blockIdx.x < prog.row_groups) stage_row<S, CHUNKS>(prog, clamped(row_of(blockIdx.x)), lane, staging);
 
   for (int64_t group = blockIdx.x; group < prog.row_groups; group += gridDim.x) {
-    const int64_t row = group * rows_per_block + (threadIdx.x >> tpr_shift);
-    const Ctx ctx{{prog, clamped_row(group), lane}};  // idle rows compute and never store
+    const int64_t row = row_of(group);
+    const Ctx ctx{{prog, clamped(row), lane}};
     float cur[CHUNKS][VEC];
     wait_async_copies();
     unstage_chunks<S>(ctx, staging, cur);
     if (group + gridDim.x < prog.row_groups)
-      stage_row<S, CHUNKS>(prog, clamped_row(group + gridDim.x), lane, staging);
+      stage_row<S, CHUNKS>(prog, clamped(row_of(group + gridDim.x)), lane, staging);
 
     for (int pc = 0; pc < prog.num_instructions; ++pc)
       fast_instruction<S, WHOLE_ROWS, ALL_UNARY_OPS>(ctx, prog.code[pc], cur, shared);
