@@ -319,7 +319,8 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1) fast_row_kernel(const __gri
   uint4* staging = row_shared;
   const auto row_of = [&](int64_t group) { return group * rows_per_block + (threadIdx.x >> tpr_shift); };
   const auto clamped = [&](int64_t row) { return row < prog.rows ? row : prog.rows - 1; };  // idle rows: never stored
-  if (blockIdx.x < prog.row_groups) stage_row<S, CHUNKS>(prog, clamped(row_of(blockIdx.x)), lane, staging);
+  if (blockIdx.x < prog.row_groups)
+    stage_row<S, CHUNKS, WHOLE_ROWS>(prog, clamped(row_of(blockIdx.x)), lane, staging);
 
   for (int64_t group = blockIdx.x; group < prog.row_groups; group += gridDim.x) {
     const int64_t row = row_of(group);
@@ -328,7 +329,7 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1) fast_row_kernel(const __gri
     wait_async_copies();
     unstage_chunks<S>(ctx, staging, cur);
     if (group + gridDim.x < prog.row_groups)
-      stage_row<S, CHUNKS>(prog, clamped(row_of(group + gridDim.x)), lane, staging);
+      stage_row<S, CHUNKS, WHOLE_ROWS>(prog, clamped(row_of(group + gridDim.x)), lane, staging);
 
     for (int pc = 0; pc < prog.num_instructions; ++pc)
       fast_instruction<S, WHOLE_ROWS, ALL_UNARY_OPS>(ctx, prog.code[pc], cur, shared);

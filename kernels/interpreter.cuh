@@ -649,8 +649,9 @@ __device__ __forceinline__ void wait_async_copies() { asm volatile("cp.async.wai
 
 // Starts copying this thread's chunks of a row (`in`: its first element) into its own staging slots (slot c of
 // thread t at c * blockDim.x + t: a warp's 16-byte accesses are contiguous). Only the thread that copies a slot
-// reads it, so waiting for its own copies is all the synchronization the staging needs.
-template <class S, int CHUNKS>
+// reads it, so waiting for its own copies is all the synchronization the staging needs. WHOLE_ROWS: every chunk
+// is inside the row (the fast kernel's build for rows of TPR * kRowValues), no bounds test.
+template <class S, int CHUNKS, bool WHOLE_ROWS = false>
 __device__ __forceinline__ void stage_chunks(const RowProgram& prog, const typename S::Raw* in, int lane,
                                              uint4* staging) {
   constexpr int VEC = S::VEC;
@@ -658,13 +659,14 @@ __device__ __forceinline__ void stage_chunks(const RowProgram& prog, const typen
 #pragma unroll
   for (int c = 0; c < CHUNKS; ++c) {
     const int first = (c * prog.threads_per_row + lane) * VEC;
-    if (first < prog.features) copy_async_16(slot + c * blockDim.x * 16, in + first);
+    if (WHOLE_ROWS || first < prog.features) copy_async_16(slot + c * blockDim.x * 16, in + first);
   }
 }
 
-template <class S, int CHUNKS>
+template <class S, int CHUNKS, bool WHOLE_ROWS = false>
 __device__ __forceinline__ void stage_row(const RowProgram& prog, int64_t row, int lane, uint4* staging) {
-  stage_chunks<S, CHUNKS>(prog, static_cast<const typename S::Raw*>(prog.input) + row * prog.features, lane, staging);
+  const typename S::Raw* in = static_cast<const typename S::Raw*>(prog.input) + row * prog.features;
+  stage_chunks<S, CHUNKS, WHOLE_ROWS>(prog, in, lane, staging);
   commit_async_copies();
 }
 
