@@ -190,8 +190,8 @@ inline bool fits_fast_row_kernel(const RowProgram& prog, int slots_used) {
 inline bool uses_libm_unary_op(const RowProgram& prog) {
   for (int pc = 0; pc < prog.num_instructions; ++pc) {
     switch (prog.code[pc].op) {
-#define FXFUSE_LIBM_CASE(name, F) \
-  case OP_##name:                 \
+#define FXFUSE_LIBM_CASE(name, F)         \
+  case OP_##name:                         \
     if (CallsLibm<F>::value) return true; \
     break;
       FXFUSE_UNARY_OPS(FXFUSE_LIBM_CASE)
