@@ -15,10 +15,12 @@ import torch
 from torch.utils.cpp_extension import load_inline
 
 from fxfuse.bench import epilogue_kernel_us
+from probe_sources import UNPACK_STORAGE
 
 SOURCE = r"""
 #include <torch/extension.h>
 #include <c10/cuda/CUDAStream.h>
+""" + UNPACK_STORAGE + r"""
 
 __device__ __forceinline__ uint4 relu4(uint4 v, bool half) {
   unsigned w[4] = {v.x, v.y, v.z, v.w};
@@ -46,21 +48,7 @@ __global__ void row_layout(uint4* data, int rows, int tpr, bool half, bool persi
   }
 }
 
-// 16 bytes of storage <-> fp32 values.
-template <bool HALF>
-__device__ __forceinline__ void unpack(uint4 raw, float (&v)[HALF ? 8 : 4]) {
-  const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    if (HALF) {
-      v[2 * k] = __uint_as_float(w[k] << 16);
-      v[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
-    } else {
-      v[k] = __uint_as_float(w[k]);
-    }
-  }
-}
-
+// fp32 values -> 16 bytes of storage (unpack_storage, from dev/probe_sources.py, goes the other way).
 // bf16 by truncation (the probe times memory, not rounding).
 template <bool HALF>
 __device__ __forceinline__ uint4 pack(const float (&v)[HALF ? 8 : 4]) {
@@ -79,7 +67,7 @@ __global__ void row_work(uint4* data, int tpr, int rounds) {
   uint4* p = data + (long)blockIdx.x * CHUNKS * tpr + threadIdx.x;
   float v[CHUNKS][VALUES];
 #pragma unroll
-  for (int c = 0; c < CHUNKS; ++c) unpack<HALF>(p[c * tpr], v[c]);
+  for (int c = 0; c < CHUNKS; ++c) unpack_storage<HALF>(p[c * tpr], v[c]);
   for (int r = 0; r < rounds; ++r)
 #pragma unroll
     for (int c = 0; c < CHUNKS; ++c)
@@ -99,7 +87,7 @@ __global__ void row_norm(uint4* data, int rows, int tpr, bool persistent, const 
     uint4* p = data + (long)row * CHUNKS * tpr + threadIdx.x;
     float v[CHUNKS][VALUES];
 #pragma unroll
-    for (int c = 0; c < CHUNKS; ++c) unpack<HALF>(p[c * tpr], v[c]);
+    for (int c = 0; c < CHUNKS; ++c) unpack_storage<HALF>(p[c * tpr], v[c]);
 #pragma unroll
     for (int c = 0; c < CHUNKS; ++c) {
       float sum = 0.0f;
@@ -116,8 +104,8 @@ __global__ void row_norm(uint4* data, int rows, int tpr, bool persistent, const 
       const float rstd = rsqrtf(squares * (1.0f / 16) + 1e-5f);
       if (weight != nullptr) {
         float w[VALUES], b[VALUES];
-        unpack<HALF>(weight[c * tpr + threadIdx.x], w);
-        unpack<HALF>(bias[c * tpr + threadIdx.x], b);
+        unpack_storage<HALF>(weight[c * tpr + threadIdx.x], w);
+        unpack_storage<HALF>(bias[c * tpr + threadIdx.x], b);
 #pragma unroll
         for (int j = 0; j < VALUES; ++j) v[c][j] = (v[c][j] - mean) * rstd * w[j] + b[j];
       } else {

@@ -15,6 +15,7 @@ import torch
 from torch.utils.cpp_extension import load_inline
 
 from fxfuse.bench import epilogue_kernel_us
+from probe_sources import UNPACK_STORAGE
 
 KERNELS = Path(__file__).resolve().parent.parent / "kernels"
 
@@ -24,6 +25,7 @@ SOURCE = r"""
 #include "epilogue_ops.cuh"
 
 using namespace fxfuse;
+""" + UNPACK_STORAGE + r"""
 
 enum Kind : int { UNARY, ADD_SCALAR, MUL_SCALAR, ADD_PARAM, ADD_SELF, NORM };
 #define LEAN_OPCODE(name, F) LEAN_##name,
@@ -46,18 +48,7 @@ struct LeanProgram {
 template <bool HALF>
 struct Lean {
   static constexpr int CHUNKS = HALF ? 2 : 4, VEC = HALF ? 8 : 4;
-  __device__ static void unpack(uint4 raw, float (&v)[VEC]) {
-    const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      if (HALF) {
-        v[2 * k] = __uint_as_float(w[k] << 16);
-        v[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
-      } else {
-        v[k] = __uint_as_float(w[k]);
-      }
-    }
-  }
+  __device__ static void unpack(uint4 raw, float (&v)[VEC]) { unpack_storage<HALF>(raw, v); }
   __device__ static uint4 pack(const float (&v)[VEC]) {
     unsigned w[4];
 #pragma unroll
