@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from fxfuse.bench import epilogue_kernel_us
+from fxfuse.bench import ROW_KERNELS, epilogue_kernel_us
 
 sys.path.insert(0, str(Path(__file__).parent))
 from variant_sources import load_kernels  # noqa: E402
@@ -37,5 +37,5 @@ torch.backends.cuda.matmul.allow_tf32 = False
 for program, shapes in PROGRAMS:
     params = [torch.randn(s, device="cuda", dtype=dtype) for s in shapes]
     call = lambda: torch.ops.fxfuse.gemm_epilogue(x, w, b, params, program)
-    us = epilogue_kernel_us(call, [], 20, ("row_program", "fast_row"))
+    us = epilogue_kernel_us(call, [], 20, ROW_KERNELS)
     print(f"{str(dtype)[6:]:<9} {us:6.1f} us  {program}")

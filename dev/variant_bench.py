@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from fxfuse.bench import copy_bandwidth_gbs, time_ms
+from fxfuse.bench import ROW_KERNELS, copy_bandwidth_gbs, time_ms
 from fxfuse.program import run_reference
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -40,7 +40,7 @@ for dtype in (torch.float32, torch.bfloat16):
             torch.cuda.synchronize()
         events = prof.key_averages()
         kernel_us = {part: sum(e.device_time_total for e in events if any(k in e.key for k in kinds)) / 20
-                     for part, kinds in (("row", ("row_program", "fast_row")), ("tail", ("broadcast_tail",)))}
+                     for part, kinds in (("row", ROW_KERNELS), ("tail", ("broadcast_tail",)))}
         us = sum(kernel_us.values())
         nbytes = x.shape[0] * w.shape[0] * x.element_size() + out.numel() * out.element_size()
         floor = nbytes / (bandwidth * 1e9) * 1e6

@@ -39,7 +39,8 @@ PRECISIONS = [  # (name, dtype, allow_tf32)
 ]
 TRAINING_PRECISIONS = ["bf16"]  # training-step rows; each costs two more Inductor compiles of forward + backward
 INPUT_SETS = 4          # x of 1024 x 8192 fp32 is 32 MB: four sets exceed the H100's 50 MB L2
-EPILOGUE_KERNELS = ("fast_row_kernel", "row_program_kernel", "broadcast_tail_kernel")
+ROW_KERNELS = ("fast_row_kernel", "chain_row_kernel", "row_program_kernel")
+EPILOGUE_KERNELS = ROW_KERNELS + ("broadcast_tail_kernel",)
 
 
 @dataclass(frozen=True)

@@ -128,3 +128,13 @@ def _build(name: str, build_dir: Path, arch_flags: list[str]) -> None:
 def supported_ops() -> list[str]:
     """The epilogue ops the loaded kernels implement (call after a successful ``load()``)."""
     return torch.ops.fxfuse.cuda_supported_ops().split(",")
+
+
+def row_chains() -> list[list[str]]:
+    """The op sequences whose row programs the loaded kernels compile whole (FXFUSE_ROW_CHAINS)."""
+    return [chain.split(",") for chain in torch.ops.fxfuse.cuda_row_chains().split(";")]
+
+
+def tail_chains() -> list[list[str]]:
+    """The op sequences whose broadcast tails the loaded kernels compile whole (FXFUSE_TAIL_CHAINS)."""
+    return [chain.split(",") for chain in torch.ops.fxfuse.cuda_tail_chains().split(";")]

@@ -266,6 +266,8 @@ Outputs gemm_epilogue_train_cuda(const at::Tensor& x, const at::Tensor& weight, 
 
 TORCH_LIBRARY_FRAGMENT(fxfuse, m) {
   m.def("cuda_supported_ops() -> str", [] { return fxfuse::supported_ops(); });
+  m.def("cuda_row_chains() -> str", [] { return fxfuse::row_chains(); });
+  m.def("cuda_tail_chains() -> str", [] { return fxfuse::tail_chains(); });
 }
 
 TORCH_LIBRARY_IMPL(fxfuse, CUDA, m) {

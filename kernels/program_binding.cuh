@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <initializer_list>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -66,6 +67,24 @@ std::string supported_ops() {
   for (const OpInfo& op : kOps) names += (names.empty() ? "" : ",") + std::string(op.name);
   return names;
 }
+
+// Chains of opcodes by op name, for the listing ops: "group_norm,clamp;add".
+std::string chain_names(std::initializer_list<std::initializer_list<Opcode>> chains) {
+  std::string text;
+  for (const auto& chain : chains) {
+    std::string names;
+    for (const Opcode opcode : chain)
+      for (const OpInfo& op : kOps)
+        if (op.opcode == opcode) names += (names.empty() ? "" : ",") + std::string(op.name);
+    text += (text.empty() ? "" : ";") + names;
+  }
+  return text;
+}
+
+#define FXFUSE_CHAIN_LIST(...) {__VA_ARGS__},
+std::string row_chains() { return chain_names({FXFUSE_ROW_CHAINS(FXFUSE_CHAIN_LIST)}); }
+std::string tail_chains() { return chain_names({FXFUSE_TAIL_CHAINS(FXFUSE_CHAIN_LIST)}); }
+#undef FXFUSE_CHAIN_LIST
 
 // ================================================================ parsing (cached per program string)
 

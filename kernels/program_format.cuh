@@ -57,6 +57,36 @@ struct Instruction {
   Attrs attrs;               // op attributes; OTHER_SCALAR's value in a0; norms' eps in a0
 };
 
+// ================================================================ row programs compiled whole
+
+// The opcode sequences that get a kernel of their own on rows of TPR * 16 values (chain_row_kernel in
+// fast_row.cuh); any other program is interpreted. These are the epilogues of the bundled examples, whose row
+// kernels take 11-25% less time this way on the H100 (dev/NOTES.md, variant 57). Adding a chain is one line here
+// and about 0.6 s of nvcc per arch in each fast translation unit (row_fast_bf16.cu for sm_90a: 32.8 s without
+// these four, 35.3 s with them).
+#define FXFUSE_ROW_CHAINS(X)              \
+  X(OP_group_norm, OP_clamp)              \
+  X(OP_group_norm, OP_leaky_relu, OP_add) \
+  X(OP_group_norm, OP_amin)               \
+  X(OP_add, OP_clamp, OP_mish, OP_group_norm)
+
+// The tail programs compiled whole (broadcast_tail_kernel's CHAIN): one binary op, as a row reduction's result
+// against a param (the min + bias example's `+ bias`).
+#define FXFUSE_TAIL_CHAINS(X) X(OP_add) X(OP_sub) X(OP_mul) X(OP_div)
+
+template <Opcode... OPS>
+struct ChainLength {
+  static constexpr int value = sizeof...(OPS);
+};
+
+// Whether a program's opcodes are a chain's.
+inline bool same_opcodes(const Opcode* chain, int length, const Instruction* code, int num_instructions) {
+  if (length != num_instructions) return false;
+  for (int pc = 0; pc < length; ++pc)
+    if (code[pc].op != chain[pc]) return false;
+  return true;
+}
+
 // A param as the row phase reads it: element (row, feature) is at ptr[row * row_stride + feature * feature_stride].
 struct RowParam {
   const void* ptr;

@@ -257,9 +257,11 @@ def test_rows_that_are_not_whole_vectors(n, precision):
 ROW_KERNEL_CHOICES = [  # (program, n, param kinds, the row kernel that must run)
     # the fast kernel: "fast", then "whole" (rows of TPR * 16 values) or "part", then "all" (every unary op compiled
     # in) or "light" (none that calls libdevice)
-    ("add(%0,$0);clamp(%1,-1.0,1.0);mish(%2);group_norm(%3,$1,$2,16,1e-05)", 1024, ["feature", "affine"],
-     "fast whole light"),
-    ("group_norm(%0,$0,$1,512,1e-05);amin(%1,1,True)", 8192, ["affine"], "fast whole light"),  # whole-row reduction
+    # "chain": a program of FXFUSE_ROW_CHAINS on whole rows, compiled whole
+    ("add(%0,$0);clamp(%1,-1.0,1.0);mish(%2);group_norm(%3,$1,$2,16,1e-05)", 1024, ["feature", "affine"], "chain"),
+    ("group_norm(%0,$0,$1,512,1e-05);amin(%1,1,True)", 8192, ["affine"], "chain"),  # whole-row reduction
+    ("group_norm(%0,$0,$1,1,1e-05);clamp(%1,-2.0,2.0)", 1000, ["affine"], "fast part light"),  # a chain, part rows
+    ("group_norm(%0,$0,$1,16,1e-05);clamp(%1,-2.0,2.0);relu(%2)", 1024, ["affine"], "fast whole light"),  # longer
     ("gelu(%0,'none');layer_norm(%1,$0,$1,1e-05)", 1000, ["affine"], "fast part all"),
     ("exp(%0);group_norm(%1,$0,$1,4,1e-05)", 2048, ["affine"], "fast whole all"),  # groups of 512 across warps
     ("layer_norm(%0,$0,$1,1e-05);relu(%1)", 4096, ["affine"], "fast whole light"),  # whole rows across warps
@@ -272,7 +274,10 @@ ROW_KERNEL_CHOICES = [  # (program, n, param kinds, the row kernel that must run
 
 
 def row_kernel_kind(name: str) -> str:
-    """"fast whole light" and the like for the fast kernel (its template flags), else "general" or "lean"."""
+    """"chain", "fast whole light" and the like for the fast kernel (its template flags), else "general" or
+    "lean"."""
+    if "chain_row_kernel" in name:
+        return "chain"
     if "fast_row_kernel" in name:
         _storage, whole_rows, all_unary_ops = name.split("<")[1].split(">")[0].split(", ")
         rows = "whole" if whole_rows == "true" else "part"
@@ -283,19 +288,82 @@ def row_kernel_kind(name: str) -> str:
 @pytest.mark.parametrize("precision", ["fp32", "bf16"], indirect=True)
 @pytest.mark.parametrize("case", range(len(ROW_KERNEL_CHOICES)))
 def test_the_fastest_row_kernel_that_takes_the_program_runs(case, precision):
-    from torch.profiler import ProfilerActivity, profile
-
     program, n, kinds, expected = ROW_KERNEL_CHOICES[case]
     dtype = DTYPES[precision]
     x, weight, bias = linear_inputs(64, 65, n, dtype)
     params = [p for kind in kinds for p in make_params(kind, 64, n, dtype)]
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        out = torch.ops.fxfuse.gemm_epilogue(x, weight, bias, params, program)
-        torch.cuda.synchronize()
-    launched = [e.key for e in prof.key_averages() if "row" in e.key and "kernel" in e.key]
-    assert len(launched) == 1, launched
-    assert row_kernel_kind(launched[0]) == expected, launched[0]
+    launched = launched_kernel(program, x, weight, bias, params)
+    assert row_kernel_kind(launched) == expected, launched
+    out = torch.ops.fxfuse.gemm_epilogue(x, weight, bias, params, program)
     assert_close_to_reference(out, x, weight, bias, params, program, bound_for(precision))
+
+
+def launched_kernel(program, x, weight, bias, params, part="row"):
+    """The name of the one row kernel (or broadcast tail kernel: part "tail") that the op launches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        torch.ops.fxfuse.gemm_epilogue(x, weight, bias, params, program)
+        torch.cuda.synchronize()
+    launched = [e.key for e in prof.key_averages() if part in e.key and "kernel" in e.key]
+    assert len(launched) == 1, launched
+    return launched[0]
+
+
+def chain_program(names, variant):
+    """A program of the ops `names`, each applied to the previous one's result, with each op's variant-th sample
+    attributes (cycled) and, for binary ops, the variant-th form of the second operand; and the kinds of the
+    params it reads (make_params)."""
+    instructions, kinds = [], []
+    for position, name in enumerate(names):
+        spec = EPILOGUE_OPS[name]
+        attrs = spec.samples[variant % len(spec.samples)]
+        attr_values = tuple(attrs[a] for a in spec.attrs)
+        current, param = Value(position), Param(sum(2 if kind == "affine" else 1 for kind in kinds))
+        if spec.is_binary:
+            operands = [(current, param), (param, current), (current, 2.5), (current, current)][variant % 4]
+            kinds += ["feature"] if param in operands else []
+        elif spec.kind == NORM:
+            operands = (current,) + tuple(Param(param.index + i) for i in range(len(spec.operands) - 1))
+            kinds.append("affine")
+        else:
+            operands = (current,)
+        instructions.append(Instruction(name, operands, attr_values))
+    return str(Program(tuple(instructions))), kinds
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"], indirect=True)
+def test_every_chain_runs_its_own_kernel(precision):
+    """Each chain of FXFUSE_ROW_CHAINS, with every sample of its ops' attributes and operand forms, on whole rows
+    of two lengths: its compiled kernel runs, and its result is the reference's."""
+    dtype = DTYPES[precision]
+    for chain in kernels.row_chains():
+        variants = max([len(EPILOGUE_OPS[name].samples) for name in chain] + [4])
+        for variant in range(variants):
+            program, kinds = chain_program(chain, variant)
+            for n in (1024, 8192):
+                x, weight, bias = linear_inputs(37, 65, n, dtype)
+                params = [p for kind in kinds for p in make_params(kind, 37, n, dtype)]
+                assert row_kernel_kind(launched_kernel(program, x, weight, bias, params)) == "chain", program
+                run_and_check(program, x, weight, bias, params, bound_for(precision))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"], indirect=True)
+def test_every_tail_chain_runs_its_own_kernel(precision):
+    """Each tail of FXFUSE_TAIL_CHAINS, both ways round, after a row min whose output broadcasts to (1, N, M, 1)
+    with M = 1024 (four 16-byte runs a thread): the build with its ops compiled in runs, and its result is the
+    reference's."""
+    dtype = DTYPES[precision]
+    m, n = 1024, 96
+    for chain in kernels.tail_chains():
+        assert len(chain) == 1, chain
+        for tail in (f"{chain[0]}(%1,$0)", f"{chain[0]}($0,%1)"):
+            program = f"amin(%0,-1,True);{tail}"
+            x, weight, bias = linear_inputs(m, 65, n, dtype)
+            params = [torch.randn(1, n, 1, 1, device="cuda").to(dtype) + 3.0]  # away from 0 for div
+            launched = launched_kernel(program, x, weight, bias, params, part="broadcast_tail")
+            assert "Opcode" in launched, launched  # the chain build's template arguments
+            run_and_check(program, x, weight, bias, params, bound_for(precision), out_shape=(1, n, m, 1))
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"], indirect=True)

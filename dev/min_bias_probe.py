@@ -1,0 +1,195 @@
+"""How fast can the min + bias example's two phases go, written for that one program? (1024 x 8192 fp32 or bf16)
+
+Usage: python dev/min_bias_probe.py [fp32|bf16]
+Each line is the CUDA time per call (µs) of one kernel run right after a fresh F.linear, so the GEMM output sits
+in L2 as it does in the fused op:
+- the row phase: group_norm(512 groups, affine) then the whole-row min, one 512-thread block per row, with the
+  block's min either exchanged through shared memory (two barriers) or left as 16 per-warp partials in global
+  memory (no barrier; the tail would fold them), and the exchange again in a persistent grid of two blocks per SM
+  at 64 registers, as the fast row kernel runs;
+- the tail: out[n][b] = min[b] + bias[n] as a (N, B) tensor, one 16-byte store a thread, into y's memory (by grid
+  size) or into a fresh tensor; torch's fill_ of y's memory and torch's broadcast add, as yardsticks of the write alone;
+- the fused op's own row kernel and tail, for comparison.
+"""
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.utils.cpp_extension import load_inline
+
+from fxfuse.bench import ROW_KERNELS, epilogue_kernel_us
+from probe_sources import UNPACK_STORAGE
+from variant_sources import load_kernels
+
+SOURCE = r"""
+#include <torch/extension.h>
+#include <c10/cuda/CUDAStream.h>
+""" + UNPACK_STORAGE + r"""
+
+// group_norm over groups of 16 contiguous values with its affine, then the row's min: thread t holds chunks
+// c * TPR + t (16 values), as the fast row kernel does. PARTIALS: each warp writes its min to partial[row][warp].
+// PERSISTENT: a grid of two blocks per SM walks the rows, at most 64 registers a thread (as the fast row kernel).
+template <bool HALF, bool PARTIALS, bool PERSISTENT>
+__global__ void __launch_bounds__(512, PERSISTENT ? 2 : 1) norm_min(const uint4* data, int rows, int tpr,
+                                                                  const uint4* weight, const uint4* bias, float* result) {
+  constexpr int CHUNKS = HALF ? 2 : 4, VALUES = HALF ? 8 : 4, LANES = 16 / VALUES;
+  __shared__ float warp_min[32];
+  for (int row = blockIdx.x; row < rows; row += PERSISTENT ? gridDim.x : rows) {
+    const uint4* p = data + (long)row * CHUNKS * tpr + threadIdx.x;
+    float v[CHUNKS][VALUES];
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) unpack_storage<HALF>(p[c * tpr], v[c]);
+    float low = INFINITY;
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) {
+      float sum = 0.0f;
+#pragma unroll
+      for (int j = 0; j < VALUES; ++j) sum += v[c][j];
+#pragma unroll
+      for (int offset = 1; offset < LANES; offset <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+      const float mean = sum * (1.0f / 16);
+      float squares = 0.0f;
+#pragma unroll
+      for (int j = 0; j < VALUES; ++j) squares += (v[c][j] - mean) * (v[c][j] - mean);
+#pragma unroll
+      for (int offset = 1; offset < LANES; offset <<= 1) squares += __shfl_xor_sync(0xffffffffu, squares, offset);
+      const float rstd = rsqrtf(squares * (1.0f / 16) + 1e-5f);
+      float w[VALUES], b[VALUES];
+      unpack_storage<HALF>(weight[c * tpr + threadIdx.x], w);
+      unpack_storage<HALF>(bias[c * tpr + threadIdx.x], b);
+#pragma unroll
+      for (int j = 0; j < VALUES; ++j) low = fminf(low, (v[c][j] - mean) * rstd * w[j] + b[j]);
+    }
+    for (int offset = 16; offset > 0; offset >>= 1) low = fminf(low, __shfl_xor_sync(0xffffffffu, low, offset));
+    const int warps = blockDim.x / 32;
+    if (PARTIALS) {
+      if (threadIdx.x % 32 == 0) result[row * warps + threadIdx.x / 32] = low;
+      continue;
+    }
+    if (threadIdx.x % 32 == 0) warp_min[threadIdx.x / 32] = low;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+      low = threadIdx.x < warps ? warp_min[threadIdx.x] : INFINITY;
+      for (int offset = 16; offset > 0; offset >>= 1) low = fminf(low, __shfl_xor_sync(0xffffffffu, low, offset));
+      if (threadIdx.x == 0) result[row] = low;
+    }
+    __syncthreads();
+  }
+}
+
+// out[n][b] = mins[b] + bias[n] (out is N x B), one 16-byte vector of VALUES outputs a thread, 32-bit indices;
+// mins in fp32, read as 16-byte vectors.
+template <bool HALF>
+__global__ void outer_add(const float* mins, const float* bias, uint4* out, unsigned batch, unsigned vectors) {
+  constexpr int VALUES = HALF ? 8 : 4;
+  for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < vectors; i += gridDim.x * blockDim.x) {
+    const unsigned first = i * VALUES;
+    const unsigned n = first / batch, b = first % batch;
+    const float shift = bias[n];
+    float m[8] = {};
+    const float4 lo4 = *reinterpret_cast<const float4*>(mins + b);
+    m[0] = lo4.x, m[1] = lo4.y, m[2] = lo4.z, m[3] = lo4.w;
+    if (HALF) {
+      const float4 hi4 = *reinterpret_cast<const float4*>(mins + b + 4);
+      m[4] = hi4.x, m[5] = hi4.y, m[6] = hi4.z, m[7] = hi4.w;
+    }
+    unsigned w[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      if (HALF) {
+        const unsigned lo = __float_as_uint(m[2 * k] + shift), hi = __float_as_uint(m[2 * k + 1] + shift);
+        w[k] = (lo >> 16) | (hi & 0xffff0000u);  // truncation: the probe times memory, not rounding
+      } else {
+        w[k] = __float_as_uint(m[k] + shift);
+      }
+    }
+    out[i] = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
+void row_phase(torch::Tensor y, torch::Tensor weight, torch::Tensor bias, torch::Tensor result, bool partials,
+               int64_t persistent_blocks) {
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const bool half = y.element_size() == 2;
+  const int rows = y.size(0), tpr = static_cast<int>(y.size(1) / 16);
+  const auto* data = reinterpret_cast<const uint4*>(y.data_ptr());
+  const auto* w = reinterpret_cast<const uint4*>(weight.data_ptr());
+  const auto* b = reinterpret_cast<const uint4*>(bias.data_ptr());
+  float* r = result.data_ptr<float>();
+  const int blocks = persistent_blocks > 0 ? persistent_blocks : rows;
+  if (persistent_blocks > 0) {
+    if (half) norm_min<true, false, true><<<blocks, tpr, 0, stream>>>(data, rows, tpr, w, b, r);
+    else norm_min<false, false, true><<<blocks, tpr, 0, stream>>>(data, rows, tpr, w, b, r);
+  } else if (half) {
+    if (partials) norm_min<true, true, false><<<rows, tpr, 0, stream>>>(data, rows, tpr, w, b, r);
+    else norm_min<true, false, false><<<rows, tpr, 0, stream>>>(data, rows, tpr, w, b, r);
+  } else {
+    if (partials) norm_min<false, true, false><<<rows, tpr, 0, stream>>>(data, rows, tpr, w, b, r);
+    else norm_min<false, false, false><<<rows, tpr, 0, stream>>>(data, rows, tpr, w, b, r);
+  }
+}
+
+void tail(torch::Tensor mins, torch::Tensor bias, torch::Tensor out, int64_t blocks) {
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const unsigned vectors = out.numel() * out.element_size() / 16;
+  auto* o = reinterpret_cast<uint4*>(out.data_ptr());
+  if (out.element_size() == 2)
+    outer_add<true><<<blocks, 256, 0, stream>>>(mins.data_ptr<float>(), bias.data_ptr<float>(), o, mins.numel(), vectors);
+  else
+    outer_add<false><<<blocks, 256, 0, stream>>>(mins.data_ptr<float>(), bias.data_ptr<float>(), o, mins.numel(), vectors);
+}
+"""
+
+CPP = """
+void row_phase(torch::Tensor y, torch::Tensor weight, torch::Tensor bias, torch::Tensor result, bool partials,
+               int64_t persistent_blocks);
+void tail(torch::Tensor mins, torch::Tensor bias, torch::Tensor out, int64_t blocks);
+"""
+
+dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[sys.argv[1] if len(sys.argv) > 1 else "bf16"]
+probe = load_inline("min_bias_probe", CPP, cuda_sources=SOURCE, functions=["row_phase", "tail"],
+                    extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"])
+rows, features = 1024, 8192
+x = torch.randn(rows, features, device="cuda", dtype=dtype)
+w = torch.randn(features, features, device="cuda", dtype=dtype) * features ** -0.5
+b = torch.randn(features, device="cuda", dtype=dtype)
+norm_weight, norm_bias = torch.randn(features, device="cuda", dtype=dtype), torch.randn(features, device="cuda", dtype=dtype)
+mins = torch.randn(rows, device="cuda")
+tail_bias = torch.randn(features, device="cuda")
+partials = torch.empty(rows * 16, device="cuda")
+fresh = torch.empty(features, rows, device="cuda", dtype=dtype)
+sms = torch.cuda.get_device_properties(0).multi_processor_count
+
+
+def after_gemm(op):
+    def call():
+        y = F.linear(x, w, b)
+        op(y)
+    return call
+
+
+def show(label, op, kernels):
+    print(f"{label:58s} {epilogue_kernel_us(after_gemm(op), [], kernels=kernels):6.1f}")
+
+
+print(f"{dtype}, {rows} x {features}; CUDA µs per call")
+show("row: norm + min, block exchange", lambda y: probe.row_phase(y, norm_weight, norm_bias, mins, False, 0), ("norm_min",))
+show("row: norm + min, per-warp partials", lambda y: probe.row_phase(y, norm_weight, norm_bias, partials, True, 0),
+     ("norm_min",))
+show("row: norm + min, block exchange, 2 blocks an SM walk the rows",
+     lambda y: probe.row_phase(y, norm_weight, norm_bias, mins, False, 2 * sms), ("norm_min",))
+for blocks in (sms * 4, sms * 8, sms * 16):
+    show(f"tail: outer add into y, {blocks} blocks", lambda y: probe.tail(mins, tail_bias, y.view(features, rows), blocks),
+         ("outer_add",))
+show("tail: outer add into a fresh tensor", lambda y: probe.tail(mins, tail_bias, fresh, sms * 8), ("outer_add",))
+show("torch fill_ of y", lambda y: y.fill_(1.0), ("Fill", "fill"))
+row_mins = mins.to(dtype).view(1, 1, rows, 1)
+bias4 = tail_bias.to(dtype).view(1, features, 1, 1)
+show("torch broadcast add into y", lambda y: torch.add(row_mins, bias4, out=y.view(1, features, rows, 1)),
+     ("elementwise",))
+load_kernels("current")
+program = "group_norm(%0,$0,$1,512,1e-05);amin(%1,1,True);add(%2,$2)"
+params = [norm_weight, norm_bias, tail_bias.to(dtype).view(1, features, 1, 1)]
+fused = lambda: torch.ops.fxfuse.gemm_epilogue(x, w, b, params, program)
+print(f"{'fused op: row kernel':58s} {epilogue_kernel_us(fused, [], kernels=ROW_KERNELS):6.1f}")
+print(f"{'fused op: tail':58s} {epilogue_kernel_us(fused, [], kernels=('broadcast_tail',)):6.1f}")
