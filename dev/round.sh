@@ -34,14 +34,14 @@ for kind in PIPES STALLS; do  # ncu raw metrics of the fast kernels: pipe utiliz
   sections=(--section SpeedOfLight --section ComputeWorkloadAnalysis)
   [ "$kind" = STALLS ] && sections=(--section SpeedOfLight --section WarpStateStats)
   for dtype in bf16 fp32; do
-    ncu --kernel-name regex:fast_row "${sections[@]}" --csv --page raw \
+    ncu --kernel-name "regex:(fast|chain)_row" "${sections[@]}" --csv --page raw \
       python3 dev/profile_epilogue.py $dtype "$variant" > "$OUT/$kind-$dtype.csv" 2>"$OUT/$kind-$dtype.err"
     python3 dev/ncu_metrics.py "$(echo $kind | tr A-Z a-z)" "$OUT/$kind-$dtype.csv" $dtype
   done
 done
 if [ -n "${PROFILE:-}" ]; then
   for dtype in ${PROFILE_DTYPES:-bf16}; do
-    dev/profile.sh $dtype "$OUT" fast_row "$PROFILE"
+    dev/profile.sh $dtype "$OUT" "(fast|chain)_row" "$PROFILE"
     python3 dev/instruction_mix.py "$OUT/source-$dtype.csv.gz" 14; python3 dev/stall_lines.py "$OUT/source-$dtype.csv.gz" 14
     rm -f "$OUT/source-$dtype.err" "$OUT/ncu-$dtype.log"
   done

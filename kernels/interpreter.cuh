@@ -1000,8 +1000,9 @@ void launch_row_program(const RowProgram& prog, const RowLaunch& launch, cudaStr
 }
 
 using TailKernel = void (*)(TailProgram);
+constexpr int kTailChainRuns = 4;  // 16-byte runs a thread of the tail chains' builds
 
-// The kernel of four 16-byte runs a thread compiled for this program's chain of FXFUSE_TAIL_CHAINS, or nullptr.
+// The build of kTailChainRuns runs a thread compiled for this program's chain of FXFUSE_TAIL_CHAINS, or nullptr.
 template <class S>
 TailKernel tail_chain_kernel(const TailProgram& prog) {
   struct Entry {
@@ -1009,8 +1010,9 @@ TailKernel tail_chain_kernel(const TailProgram& prog) {
     int length;
     TailKernel kernel;
   };
-#define FXFUSE_TAIL_CHAIN_ENTRY(...) \
-  Entry{{__VA_ARGS__}, ChainLength<__VA_ARGS__>::value, broadcast_tail_kernel<S, S::VEC, 4, __VA_ARGS__>},
+#define FXFUSE_TAIL_CHAIN_ENTRY(...)                  \
+  Entry{{__VA_ARGS__}, ChainLength<__VA_ARGS__>::value, \
+        broadcast_tail_kernel<S, S::VEC, kTailChainRuns, __VA_ARGS__>},
   static const Entry chains[] = {FXFUSE_TAIL_CHAINS(FXFUSE_TAIL_CHAIN_ENTRY)};
 #undef FXFUSE_TAIL_CHAIN_ENTRY
   for (const Entry& chain : chains)
@@ -1018,24 +1020,25 @@ TailKernel tail_chain_kernel(const TailProgram& prog) {
   return nullptr;
 }
 
-// Four 16-byte runs per thread where the innermost dim allows (the min + bias example's tail: 16 MB of bf16
-// output), compiled whole for a chain of FXFUSE_TAIL_CHAINS; one run where the innermost dim is a multiple of VEC,
-// else one element.
+// A chain of FXFUSE_TAIL_CHAINS takes kTailChainRuns 16-byte runs a thread where the innermost dim allows (the
+// min + bias example's tail: 16 MB of bf16 output). Other programs are interpreted with one 16-byte run a thread
+// where the innermost dim is a multiple of VEC, else one element: an interpreted build of four runs took 60 of the
+// 86 s that nvcc spent on this file for sm_90a + sm_80, and timed no faster (variants 54, 55).
 template <class S>
 void launch_broadcast_tail(const TailProgram& prog, cudaStream_t stream) {
-  constexpr int vec = S::VEC, units = 4;
+  constexpr int vec = S::VEC;
   const uint32_t inner = prog.sizes[prog.ndim - 1];
-  const int64_t per_thread = inner % (32 * vec * units) == 0 ? vec * units : inner % vec == 0 ? vec : 1;
+  TailKernel kernel = inner % (32 * vec * kTailChainRuns) == 0 ? tail_chain_kernel<S>(prog) : nullptr;
+  int64_t per_thread = vec * kTailChainRuns;
+  if (kernel == nullptr) {
+    per_thread = inner % vec == 0 ? vec : 1;
+    kernel = per_thread == vec ? broadcast_tail_kernel<S, vec, 1> : broadcast_tail_kernel<S, 1, 1>;
+  }
   const int64_t threads = (prog.numel + per_thread - 1) / per_thread;
   int device = 0, sms = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((threads + 255) / 256, int64_t{sms} * 8));
-  TailKernel kernel = per_thread == vec * units ? tail_chain_kernel<S>(prog) : nullptr;
-  if (kernel == nullptr)
-    kernel = per_thread == vec * units ? broadcast_tail_kernel<S, vec, units>
-             : per_thread == vec       ? broadcast_tail_kernel<S, vec, 1>
-                                       : broadcast_tail_kernel<S, 1, 1>;
   kernel<<<blocks, 256, 0, stream>>>(prog);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
