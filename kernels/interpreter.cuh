@@ -9,8 +9,9 @@
 //                       Programs without slots over per-feature params run on fast_row.cuh's kernel instead.
 //   broadcast_tail_kernel  the pointwise instructions after a broadcast that outgrows the row (the min + bias
 //                       example's (1, N, M, 1) output): one pass over the output, operands read by strides.
-//                       A tail of one binary op (FXFUSE_TAIL_CHAINS) gets a build with its op compiled in: 7-11%
-//                       less time for the min + bias example's than interpreted (8.3 against 9.0 us in bf16).
+//                       A tail of one binary op (FXFUSE_TAIL_CHAINS) gets a build with its op compiled in: the
+//                       min + bias example's tail takes 7.9 us in bf16 and 11.0 in fp32 that way, against 9.0
+//                       and 12.6 interpreted (dev/NOTES.md, variants 57-62).
 //
 // Register layout of a row: thread t of the row's TPR threads holds CHUNKS chunks of VEC contiguous elements
 // (VEC = 16 bytes of storage); chunk c covers elements [(c * TPR + t) * VEC, + VEC), so each load and store
@@ -325,15 +326,24 @@ struct CrossWarp {
 // Combines v[k] over lanes_per_group consecutive lanes (a power of 2): xor butterflies within a warp, then the
 // same over the group's warps' partials, read from shared memory (each lane takes partial lane % warps_per_group).
 // Both lanes of a butterfly step combine the same two numbers, so every lane of a group ends with the same bits.
-template <class R, int K, int CHUNKS>
+// WHOLE_WARPS: groups of whole warps (whole rows), whose steps within a warp are unrolled (the min + bias row
+// kernel: 0.3-0.5 us less, variant 61).
+template <class R, bool WHOLE_WARPS = false, int K, int CHUNKS>
 __device__ __forceinline__ void lanes_allreduce(typename R::Value (&v)[K], int lanes_per_group,
                                                 CrossWarp<CHUNKS>& cross_warp) {
   static_assert(K <= CHUNKS, "one cross-warp column per value");
   using Value = typename R::Value;
-  const int warp_span = lanes_per_group < 32 ? lanes_per_group : 32;
-  for (int offset = 1; offset < warp_span; offset <<= 1)
+  const auto butterfly_step = [&](int offset) {
 #pragma unroll
     for (int k = 0; k < K; ++k) v[k] = R::apply(v[k], shuffle_xor(v[k], offset));
+  };
+  if constexpr (WHOLE_WARPS) {
+#pragma unroll
+    for (int offset = 1; offset < 32; offset <<= 1) butterfly_step(offset);
+  } else {
+    const int warp_span = lanes_per_group < 32 ? lanes_per_group : 32;
+    for (int offset = 1; offset < warp_span; offset <<= 1) butterfly_step(offset);
+  }
   if (lanes_per_group > 32) {
     const int warp = threadIdx.x / 32;
     const int warps_per_group = lanes_per_group / 32;
@@ -344,9 +354,7 @@ __device__ __forceinline__ void lanes_allreduce(typename R::Value (&v)[K], int l
     const int partial = (warp & ~(warps_per_group - 1)) | (threadIdx.x & (warps_per_group - 1));  // powers of 2
 #pragma unroll
     for (int k = 0; k < K; ++k) v[k] = cross_warp.partial[partial][k];
-    for (int offset = 1; offset < warps_per_group; offset <<= 1)
-#pragma unroll
-      for (int k = 0; k < K; ++k) v[k] = R::apply(v[k], shuffle_xor(v[k], offset));
+    for (int offset = 1; offset < warps_per_group; offset <<= 1) butterfly_step(offset);
     __syncthreads();
   }
 }
@@ -360,7 +368,7 @@ __device__ __forceinline__ void group_allreduce(typename R::Value (&part)[CHUNKS
     Value total[1] = {part[0]};
 #pragma unroll
     for (int c = 1; c < CHUNKS; ++c) total[0] = R::apply(total[0], part[c]);
-    lanes_allreduce<R>(total, lanes_per_group, cross_warp);
+    lanes_allreduce<R, true>(total, lanes_per_group, cross_warp);  // a row spans whole warps (TPR >= 32)
 #pragma unroll
     for (int c = 0; c < CHUNKS; ++c) part[c] = total[0];
     return;
@@ -1000,7 +1008,7 @@ void launch_row_program(const RowProgram& prog, const RowLaunch& launch, cudaStr
 }
 
 using TailKernel = void (*)(TailProgram);
-constexpr int kTailChainRuns = 4;  // 16-byte runs a thread of the tail chains' builds
+constexpr int kTailChainRuns = 2;  // 16-byte runs a thread of the tail chains: 0.3-0.4 us faster than 4, 1 slower
 
 // The build of kTailChainRuns runs a thread compiled for this program's chain of FXFUSE_TAIL_CHAINS, or nullptr.
 template <class S>

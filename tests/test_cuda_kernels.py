@@ -351,8 +351,8 @@ def test_every_chain_runs_its_own_kernel(precision):
 @pytest.mark.parametrize("precision", ["fp32", "bf16"], indirect=True)
 def test_every_tail_chain_runs_its_own_kernel(precision):
     """Each tail of FXFUSE_TAIL_CHAINS, both ways round, after a row min whose output broadcasts to (1, N, M, 1)
-    with M = 1024 (four 16-byte runs a thread): the build with its ops compiled in runs, and its result is the
-    reference's."""
+    with M = 1024 (a whole number of the chain builds' 16-byte runs per lane): the build with its ops compiled in
+    runs, and its result is the reference's."""
     dtype = DTYPES[precision]
     m, n = 1024, 96
     for chain in kernels.tail_chains():
