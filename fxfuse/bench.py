@@ -145,8 +145,9 @@ def copy_bandwidth_gbs(nbytes: int = 1 << 30, runs: int = 20) -> float:
 
 
 def epilogue_kernel_us(fn: Callable, inputs: list, calls: int = 10, kernels: tuple = EPILOGUE_KERNELS) -> float:
-    """Mean CUDA time per call of the epilogue kernels (the fused op's own launches after its GEMM), or of the
-    kernels whose names contain one of `kernels`."""
+    """Mean GPU time per call during which an epilogue kernel ran (the fused op's own launches after its GEMM), or
+    a kernel whose name contains one of `kernels`: the union of their intervals, since a kernel launched early
+    overlaps the one before it."""
     from torch.profiler import ProfilerActivity, profile
 
     with torch.no_grad():
@@ -156,8 +157,12 @@ def epilogue_kernel_us(fn: Callable, inputs: list, calls: int = 10, kernels: tup
             for _ in range(calls):
                 fn(*inputs)
             torch.cuda.synchronize()
-    total = sum(e.device_time_total for e in prof.key_averages()
-                if any(k in e.key for k in kernels))
+    intervals = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                       if e.device_type == torch.autograd.DeviceType.CUDA and any(k in e.name for k in kernels))
+    total, covered_until = 0.0, float("-inf")
+    for start, end in intervals:
+        total += max(end - max(start, covered_until), 0)
+        covered_until = max(covered_until, end)
     return total / calls
 
 
