@@ -15,12 +15,12 @@ import torch
 from torch.utils.cpp_extension import load_inline
 
 from fxfuse.bench import epilogue_kernel_us
-from probe_sources import UNPACK_STORAGE
+from probe_sources import GROUP_NORM_16, UNPACK_STORAGE
 
 SOURCE = r"""
 #include <torch/extension.h>
 #include <c10/cuda/CUDAStream.h>
-""" + UNPACK_STORAGE + r"""
+""" + UNPACK_STORAGE + GROUP_NORM_16 + r"""
 
 __device__ __forceinline__ uint4 relu4(uint4 v, bool half) {
   unsigned w[4] = {v.x, v.y, v.z, v.w};
@@ -77,42 +77,19 @@ __global__ void row_work(uint4* data, int tpr, int rounds) {
   for (int c = 0; c < CHUNKS; ++c) p[c * tpr] = pack<HALF>(v[c]);
 }
 
-// A group norm over groups of 16 contiguous values (a statistic per chunk, LANES lanes per group), no affine:
-// the row kernel's group_norm(512 groups) with its layout and reductions, at the given occupancy, one row a block
-// or a persistent grid walking rows.
+// A group norm over groups of 16 contiguous values (group_norm_16: a statistic per chunk), with its affine where
+// weight is given: the row kernel's group_norm(512 groups) with its layout and reductions, at the given occupancy,
+// one row a block or a persistent grid walking rows.
 template <bool HALF>
 __global__ void row_norm(uint4* data, int rows, int tpr, bool persistent, const uint4* weight, const uint4* bias) {
-  constexpr int CHUNKS = HALF ? 2 : 4, VALUES = HALF ? 8 : 4, LANES = 16 / VALUES;
+  constexpr int CHUNKS = HALF ? 2 : 4, VALUES = HALF ? 8 : 4;
   for (int row = blockIdx.x; row < rows; row += persistent ? gridDim.x : rows) {
     uint4* p = data + (long)row * CHUNKS * tpr + threadIdx.x;
     float v[CHUNKS][VALUES];
 #pragma unroll
     for (int c = 0; c < CHUNKS; ++c) unpack_storage<HALF>(p[c * tpr], v[c]);
 #pragma unroll
-    for (int c = 0; c < CHUNKS; ++c) {
-      float sum = 0.0f;
-#pragma unroll
-      for (int j = 0; j < VALUES; ++j) sum += v[c][j];
-#pragma unroll
-      for (int offset = 1; offset < LANES; offset <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-      const float mean = sum * (1.0f / 16);
-      float squares = 0.0f;
-#pragma unroll
-      for (int j = 0; j < VALUES; ++j) squares += (v[c][j] - mean) * (v[c][j] - mean);
-#pragma unroll
-      for (int offset = 1; offset < LANES; offset <<= 1) squares += __shfl_xor_sync(0xffffffffu, squares, offset);
-      const float rstd = rsqrtf(squares * (1.0f / 16) + 1e-5f);
-      if (weight != nullptr) {
-        float w[VALUES], b[VALUES];
-        unpack_storage<HALF>(weight[c * tpr + threadIdx.x], w);
-        unpack_storage<HALF>(bias[c * tpr + threadIdx.x], b);
-#pragma unroll
-        for (int j = 0; j < VALUES; ++j) v[c][j] = (v[c][j] - mean) * rstd * w[j] + b[j];
-      } else {
-#pragma unroll
-        for (int j = 0; j < VALUES; ++j) v[c][j] = (v[c][j] - mean) * rstd;
-      }
-    }
+    for (int c = 0; c < CHUNKS; ++c) group_norm_16<HALF>(v[c], weight, bias, c * tpr + threadIdx.x);
 #pragma unroll
     for (int c = 0; c < CHUNKS; ++c) p[c * tpr] = pack<HALF>(v[c]);
   }

@@ -18,13 +18,13 @@ import torch.nn.functional as F
 from torch.utils.cpp_extension import load_inline
 
 from fxfuse.bench import ROW_KERNELS, epilogue_kernel_us
-from probe_sources import UNPACK_STORAGE
+from probe_sources import GROUP_NORM_16, UNPACK_STORAGE
 from variant_sources import load_kernels
 
 SOURCE = r"""
 #include <torch/extension.h>
 #include <c10/cuda/CUDAStream.h>
-""" + UNPACK_STORAGE + r"""
+""" + UNPACK_STORAGE + GROUP_NORM_16 + r"""
 
 // group_norm over groups of 16 contiguous values with its affine, then the row's min: thread t holds chunks
 // c * TPR + t (16 values), as the fast row kernel does. PARTIALS: each warp writes its min to partial[row][warp].
@@ -32,7 +32,7 @@ SOURCE = r"""
 template <bool HALF, bool PARTIALS, bool PERSISTENT>
 __global__ void __launch_bounds__(512, PERSISTENT ? 2 : 1) norm_min(const uint4* data, int rows, int tpr,
                                                                   const uint4* weight, const uint4* bias, float* result) {
-  constexpr int CHUNKS = HALF ? 2 : 4, VALUES = HALF ? 8 : 4, LANES = 16 / VALUES;
+  constexpr int CHUNKS = HALF ? 2 : 4, VALUES = HALF ? 8 : 4;
   __shared__ float warp_min[32];
   for (int row = blockIdx.x; row < rows; row += PERSISTENT ? gridDim.x : rows) {
     const uint4* p = data + (long)row * CHUNKS * tpr + threadIdx.x;
@@ -42,23 +42,9 @@ __global__ void __launch_bounds__(512, PERSISTENT ? 2 : 1) norm_min(const uint4*
     float low = INFINITY;
 #pragma unroll
     for (int c = 0; c < CHUNKS; ++c) {
-      float sum = 0.0f;
+      group_norm_16<HALF>(v[c], weight, bias, c * tpr + threadIdx.x);
 #pragma unroll
-      for (int j = 0; j < VALUES; ++j) sum += v[c][j];
-#pragma unroll
-      for (int offset = 1; offset < LANES; offset <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-      const float mean = sum * (1.0f / 16);
-      float squares = 0.0f;
-#pragma unroll
-      for (int j = 0; j < VALUES; ++j) squares += (v[c][j] - mean) * (v[c][j] - mean);
-#pragma unroll
-      for (int offset = 1; offset < LANES; offset <<= 1) squares += __shfl_xor_sync(0xffffffffu, squares, offset);
-      const float rstd = rsqrtf(squares * (1.0f / 16) + 1e-5f);
-      float w[VALUES], b[VALUES];
-      unpack_storage<HALF>(weight[c * tpr + threadIdx.x], w);
-      unpack_storage<HALF>(bias[c * tpr + threadIdx.x], b);
-#pragma unroll
-      for (int j = 0; j < VALUES; ++j) low = fminf(low, (v[c][j] - mean) * rstd * w[j] + b[j]);
+      for (int j = 0; j < VALUES; ++j) low = fminf(low, v[c][j]);
     }
     for (int offset = 16; offset > 0; offset >>= 1) low = fminf(low, __shfl_xor_sync(0xffffffffu, low, offset));
     const int warps = blockDim.x / 32;

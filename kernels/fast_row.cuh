@@ -383,17 +383,10 @@ using RowKernel = void (*)(RowProgram);
 // The chain kernel of this program's opcode sequence, or nullptr.
 template <class S>
 RowKernel chain_kernel(const RowProgram& prog) {
-  struct Entry {
-    Opcode ops[kMaxInstructions];
-    int length;
-    RowKernel kernel;
-  };
-#define FXFUSE_CHAIN_ENTRY(...) Entry{{__VA_ARGS__}, ChainLength<__VA_ARGS__>::value, chain_row_kernel<S, __VA_ARGS__>},
-  static const Entry chains[] = {FXFUSE_ROW_CHAINS(FXFUSE_CHAIN_ENTRY)};
+#define FXFUSE_CHAIN_ENTRY(...) chain_entry<RowKernel, __VA_ARGS__>(chain_row_kernel<S, __VA_ARGS__>),
+  static const ChainEntry<RowKernel> chains[] = {FXFUSE_ROW_CHAINS(FXFUSE_CHAIN_ENTRY)};
 #undef FXFUSE_CHAIN_ENTRY
-  for (const Entry& chain : chains)
-    if (same_opcodes(chain.ops, chain.length, prog.code, prog.num_instructions)) return chain.kernel;
-  return nullptr;
+  return find_chain(chains, prog.code, prog.num_instructions);
 }
 
 template <class S>

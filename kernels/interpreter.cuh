@@ -1013,19 +1013,11 @@ constexpr int kTailChainRuns = 2;  // 16-byte runs a thread of the tail chains: 
 // The build of kTailChainRuns runs a thread compiled for this program's chain of FXFUSE_TAIL_CHAINS, or nullptr.
 template <class S>
 TailKernel tail_chain_kernel(const TailProgram& prog) {
-  struct Entry {
-    Opcode ops[kMaxInstructions];
-    int length;
-    TailKernel kernel;
-  };
-#define FXFUSE_TAIL_CHAIN_ENTRY(...)                  \
-  Entry{{__VA_ARGS__}, ChainLength<__VA_ARGS__>::value, \
-        broadcast_tail_kernel<S, S::VEC, kTailChainRuns, __VA_ARGS__>},
-  static const Entry chains[] = {FXFUSE_TAIL_CHAINS(FXFUSE_TAIL_CHAIN_ENTRY)};
+#define FXFUSE_TAIL_CHAIN_ENTRY(...) \
+  chain_entry<TailKernel, __VA_ARGS__>(broadcast_tail_kernel<S, S::VEC, kTailChainRuns, __VA_ARGS__>),
+  static const ChainEntry<TailKernel> chains[] = {FXFUSE_TAIL_CHAINS(FXFUSE_TAIL_CHAIN_ENTRY)};
 #undef FXFUSE_TAIL_CHAIN_ENTRY
-  for (const Entry& chain : chains)
-    if (same_opcodes(chain.ops, chain.length, prog.code, prog.num_instructions)) return chain.kernel;
-  return nullptr;
+  return find_chain(chains, prog.code, prog.num_instructions);
 }
 
 // A chain of FXFUSE_TAIL_CHAINS takes kTailChainRuns 16-byte runs a thread where the innermost dim allows (the

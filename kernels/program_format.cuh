@@ -74,17 +74,28 @@ struct Instruction {
 // against a param (the min + bias example's `+ bias`).
 #define FXFUSE_TAIL_CHAINS(X) X(OP_add) X(OP_sub) X(OP_mul) X(OP_div)
 
-template <Opcode... OPS>
-struct ChainLength {
-  static constexpr int value = sizeof...(OPS);
+// A chain's opcodes and its kernel, for the launchers' lookup tables.
+template <class Kernel>
+struct ChainEntry {
+  Opcode ops[kMaxInstructions];
+  int length;
+  Kernel kernel;
 };
 
-// Whether a program's opcodes are a chain's.
-inline bool same_opcodes(const Opcode* chain, int length, const Instruction* code, int num_instructions) {
-  if (length != num_instructions) return false;
-  for (int pc = 0; pc < length; ++pc)
-    if (code[pc].op != chain[pc]) return false;
-  return true;
+template <class Kernel, Opcode... OPS>
+ChainEntry<Kernel> chain_entry(Kernel kernel) {
+  return {{OPS...}, static_cast<int>(sizeof...(OPS)), kernel};
+}
+
+// The kernel of the chain whose opcodes are the program's, or nullptr.
+template <class Kernel, size_t N>
+Kernel find_chain(const ChainEntry<Kernel> (&chains)[N], const Instruction* code, int num_instructions) {
+  for (const ChainEntry<Kernel>& chain : chains) {
+    bool same = chain.length == num_instructions;
+    for (int pc = 0; same && pc < chain.length; ++pc) same = code[pc].op == chain.ops[pc];
+    if (same) return chain.kernel;
+  }
+  return nullptr;
 }
 
 // A param as the row phase reads it: element (row, feature) is at ptr[row * row_stride + feature * feature_stride].
