@@ -299,7 +299,7 @@ def test_the_fastest_row_kernel_that_takes_the_program_runs(case, precision):
 
 
 def launched_kernel(program, x, weight, bias, params, part="row"):
-    """The name of the one row kernel (or broadcast tail kernel: part "tail") that the op launches."""
+    """The name of the one row kernel that the op launches (with part="broadcast_tail": its broadcast tail kernel)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
