@@ -67,6 +67,7 @@ bool coalesce_tail(const Shape& out_shape, const std::vector<at::Tensor>& operan
   int64_t numel = 1;
   for (size_t d = 0; d < dims.size(); ++d) {
     tail.sizes[d] = static_cast<uint32_t>(dims[d].size);
+    tail.divisors[d].set(tail.sizes[d]);
     numel *= dims[d].size;
   }
   if (numel >= (int64_t{1} << 31)) return false;

@@ -10,8 +10,8 @@
 //   broadcast_tail_kernel  the pointwise instructions after a broadcast that outgrows the row (the min + bias
 //                       example's (1, N, M, 1) output): one pass over the output, operands read by strides.
 //                       A tail of one binary op (FXFUSE_TAIL_CHAINS) gets a build with its op compiled in: the
-//                       min + bias example's tail takes 7.9 us in bf16 and 11.0 in fp32 that way, against 9.0
-//                       and 12.6 interpreted (dev/NOTES.md, variants 57-62).
+//                       min + bias example's tail takes 7.2 us in bf16 and 11.1 in fp32 that way, against 9.0
+//                       and 12.6 interpreted (dev/NOTES.md, variants 57-64).
 //
 // Register layout of a row: thread t of the row's TPR threads holds CHUNKS chunks of VEC contiguous elements
 // (VEC = 16 bytes of storage); chunk c covers elements [(c * TPR + t) * VEC, + VEC), so each load and store
@@ -279,20 +279,6 @@ __device__ __forceinline__ void apply_unary_op(Values<CHUNKS, VEC>& cur, const A
   for (int c = 0; c < CHUNKS; ++c)
 #pragma unroll
     for (int j = 0; j < VEC; ++j) cur[c][j] = F::apply(cur[c][j], attrs);
-}
-
-// A pointwise instruction whose op is known at compile time (a tail chain's).
-template <int OP, int CHUNKS, int VEC, int SLOTS, class Reader>
-__device__ __forceinline__ void run_pointwise_op(const Instruction& ins, Values<CHUNKS, VEC>& cur,
-                                                 Values<CHUNKS, VEC> (&slots)[kSlotStorage<SLOTS>],
-                                                 const Reader& reader) {
-  using F = typename OpOf<OP>::Functor;
-  if constexpr (OpOf<OP>::family == OpFamily::Unary) {
-    apply_unary_op<F>(cur, ins.attrs);
-  } else {
-    static_assert(OpOf<OP>::family == OpFamily::Binary, "pointwise ops only");
-    run_binary<F, CHUNKS, VEC, SLOTS>(ins, cur, slots, reader);
-  }
 }
 
 // ================================================================ reductions over groups of a row
@@ -890,6 +876,28 @@ struct TailReader {
   }
 };
 
+// A binary op of the current value and a param (the tail chains' instruction; the launcher checks `other`), the
+// operand order resolved once rather than per value.
+template <Opcode OP, int UNITS, int ELEMS, class Reader>
+__device__ __forceinline__ void run_param_op(const Instruction& ins, float (&cur)[UNITS][ELEMS], const Reader& reader) {
+  using F = typename OpOf<OP>::Functor;
+  static_assert(OpOf<OP>::family == OpFamily::Binary, "tail chains are binary ops with a param");
+  float param[UNITS][ELEMS];
+#pragma unroll
+  for (int run = 0; run < UNITS; ++run) reader.load(ins.param[0], run, param[run]);
+  if (ins.reversed) {
+#pragma unroll
+    for (int run = 0; run < UNITS; ++run)
+#pragma unroll
+      for (int j = 0; j < ELEMS; ++j) cur[run][j] = F::apply(param[run][j], cur[run][j]);
+  } else {
+#pragma unroll
+    for (int run = 0; run < UNITS; ++run)
+#pragma unroll
+      for (int j = 0; j < ELEMS; ++j) cur[run][j] = F::apply(cur[run][j], param[run][j]);
+  }
+}
+
 // A warp evaluates 32 * UNITS runs of ELEMS consecutive outputs, contiguous: run u of lane l starts at
 // (u * 32 + l) * ELEMS from the warp's first output, so every store instruction of the warp covers 32 * ELEMS
 // contiguous outputs. A lane computes its index once, loads its UNITS runs together and interprets the program
@@ -909,8 +917,9 @@ __global__ void __launch_bounds__(256) broadcast_tail_kernel(const __grid_consta
     TailReader<S, ELEMS> reader{prog, {}};
     uint32_t rest = first;
     for (int d = prog.ndim - 1; d >= 0; --d) {
-      const uint32_t coord = rest % prog.sizes[d];
-      rest /= prog.sizes[d];
+      const uint32_t outer = d > 0 ? prog.divisors[d].divide(rest) : 0;  // rest < sizes[0]: no division
+      const uint32_t coord = rest - outer * prog.sizes[d];
+      rest = outer;
 #pragma unroll
       for (int op = 0; op < kMaxTailOperands; ++op)
         if (op < prog.num_operands) reader.offset[op] += coord * prog.operands[op].strides[d];
@@ -924,7 +933,7 @@ __global__ void __launch_bounds__(256) broadcast_tail_kernel(const __grid_consta
         run_pointwise<UNITS, ELEMS, kMaxSlots>(prog.code[pc], cur, slots, reader);
     } else {
       int pc = 0;
-      (run_pointwise_op<CHAIN, UNITS, ELEMS, kMaxSlots>(prog.code[pc++], cur, slots, reader), ...);
+      (run_param_op<CHAIN>(prog.code[pc++], cur, reader), ...);
     }
 #pragma unroll
     for (int run = 0; run < UNITS; ++run) {
@@ -1008,7 +1017,8 @@ void launch_row_program(const RowProgram& prog, const RowLaunch& launch, cudaStr
 }
 
 using TailKernel = void (*)(TailProgram);
-constexpr int kTailChainRuns = 2;  // 16-byte runs a thread of the tail chains: 0.3-0.4 us faster than 4, 1 slower
+// 16-byte runs a thread of the tail chains: 0.3-0.4 us faster than 4 (62); one run: bf16 7.2 -> 8.7 us (66).
+constexpr int kTailChainRuns = 2;
 
 // The build of kTailChainRuns runs a thread compiled for this program's chain of FXFUSE_TAIL_CHAINS, or nullptr.
 template <class S>
@@ -1017,6 +1027,8 @@ TailKernel tail_chain_kernel(const TailProgram& prog) {
   chain_entry<TailKernel, __VA_ARGS__>(broadcast_tail_kernel<S, S::VEC, kTailChainRuns, __VA_ARGS__>),
   static const ChainEntry<TailKernel> chains[] = {FXFUSE_TAIL_CHAINS(FXFUSE_TAIL_CHAIN_ENTRY)};
 #undef FXFUSE_TAIL_CHAIN_ENTRY
+  for (int pc = 0; pc < prog.num_instructions; ++pc)
+    if (prog.code[pc].other != OTHER_PARAM) return nullptr;
   return find_chain(chains, prog.code, prog.num_instructions);
 }
 

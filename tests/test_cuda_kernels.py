@@ -436,6 +436,20 @@ def test_the_broadcast_tail_writes_into_the_dead_gemm_output(precision):
     assert_close_to_reference(out, x, weight, bias, params, program, bound_for(precision))
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"], indirect=True)
+@pytest.mark.parametrize("lead, param_shape", [((3, 7), (3, 1, 512)), ((7, 3), (7, 1, 5))])
+def test_broadcast_tail_over_three_dims(lead, param_shape, precision):
+    """A row min of a 3-D x against a param that broadcasts it along a new last dim: the tail's output keeps three
+    dims of odd sizes (nothing merges), so every output index is split by the tail's divisors. A last dim of 512
+    takes the tail chain's kernel, one of 5 the interpreted one."""
+    dtype = DTYPES[precision]
+    x, weight, bias = linear_inputs(None, 33, 96, dtype, lead=lead)
+    params = [torch.randn(param_shape, device="cuda").to(dtype)]
+    out_shape = (*lead, param_shape[-1])
+    out = run_and_check("amin(%0,-1,True);add(%1,$0)", x, weight, bias, params, bound_for(precision), out_shape)
+    assert out.shape == out_shape
+
+
 @pytest.mark.parametrize("program", ["", "relu(%0)", "add(%0,$0)"])
 def test_training_op_never_returns_the_gemm_output_as_its_result(program):
     """An empty program's result is the GEMM output itself: the training op returns a copy beside it."""
