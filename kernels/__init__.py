@@ -2,7 +2,7 @@
 
 Entry points: ``load()`` (call before running the fused op on a GPU; cheap once loaded) and ``supported_ops()``.
 
-The sources (``*.cu``, ``*.cuh`` here) are compiled once with ``torch.utils.cpp_extension`` and ninja for the
+The sources (``*.cu``, ``*.cuh``, and the host-only ``*.cpp`` here) are compiled once with ``torch.utils.cpp_extension`` and ninja for the
 visible GPUs' architectures into a cache directory (``~/.cache/fxfuse``, or ``$FXFUSE_CACHE_DIR``) keyed by a
 hash of the sources, the torch and CUDA versions and the archs; later processes load the cached library with
 ``torch.ops.load_library``. A file lock keeps concurrent builders from corrupting the cache. Without a GPU or
@@ -34,7 +34,8 @@ def cache_root() -> Path:
 
 
 def _sources() -> list[Path]:
-    return sorted(SOURCE_DIR.glob("*.cu"))
+    """The translation units: kernels in .cu files, host-only code (the ops' launchers) in .cpp files."""
+    return sorted(SOURCE_DIR.glob("*.cu")) + sorted(SOURCE_DIR.glob("*.cpp"))
 
 
 def _arch_flags() -> list[str]:
@@ -51,7 +52,7 @@ def _arch_flags() -> list[str]:
 
 def build_key(arch_flags: list[str]) -> str:
     digest = hashlib.sha256()
-    for path in sorted(SOURCE_DIR.glob("*.cu")) + sorted(SOURCE_DIR.glob("*.cuh")):
+    for path in _sources() + sorted(SOURCE_DIR.glob("*.cuh")):
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
     for item in [torch.__version__, str(torch.version.cuda), *arch_flags, *NVCC_FLAGS]:

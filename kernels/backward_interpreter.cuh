@@ -15,7 +15,7 @@
 // value) accumulate over the block's rows in shared memory and are written once per block, as partial rows that
 // the host sums; per-row ones are summed over the row; full ones are written per element.
 //
-// Limits (the host runs the reference otherwise, epilogue_backward.cu): every value is read once, by the next
+// Limits (the host runs the reference otherwise, epilogue_backward.cpp): every value is read once, by the next
 // instruction (no slots); rows of whole 16-byte vectors, at most 8192 features; groups on the lanes' grid; at
 // most kMaxBackwardRowOps norms and reductions; no batch_norm; no broadcast beyond the rows.
 #pragma once

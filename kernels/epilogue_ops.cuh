@@ -2,7 +2,7 @@
 //
 // Adding an op: write its functor here, beside a comment naming its Python reference, and add one row to the
 // matching table at the end of this file. The interpreter (interpreter.cuh) and the host binder
-// (gemm_epilogue.cu) expand the tables; neither needs an edit.
+// (gemm_epilogue.cpp) expand the tables; neither needs an edit.
 //
 // All arithmetic is fp32, whatever the storage dtype. Functors must propagate NaN exactly as the reference does
 // (fminf/fmaxf drop NaN: clamps use minimum/maximum below).
@@ -13,10 +13,16 @@
 
 #include <type_traits>
 
+#ifndef __CUDACC__
+// The host-only translation units (gemm_epilogue.cpp, epilogue_backward.cpp) read this file for the op tables
+// and never call a functor: a declaration is all the host compiler needs of this device function.
+float rsqrtf(float);
+#endif
+
 namespace fxfuse {
 
 // Scalar attributes of one instruction, in the order of the reference's keyword-only parameters, encoded by
-// gemm_epilogue.cu::encode_attribute (numbers as float, None as NaN, True/False as 1/0, 'none'/'tanh' as 0/1).
+// program_binding.cuh::encode_attribute (numbers as float, None as NaN, True/False as 1/0, 'none'/'tanh' as 0/1).
 struct Attrs {
   float a0, a1, a2;
 };

@@ -18,7 +18,7 @@
 // programs of FXFUSE_ROW_CHAINS (program_format.cuh) run chain_row_kernel instead: the same row loop with each
 // instruction's op fixed at compile time (fast_op), no dispatch (11-25% less time than interpreted, variant 57).
 //
-// Limits (fits_fast_row_kernel says whether a program qualifies; the launcher in gemm_epilogue.cu falls back to
+// Limits (fits_fast_row_kernel says whether a program qualifies; the launcher in gemm_epilogue.cpp falls back to
 // row_program_kernel otherwise): rows of whole 16-byte vectors, no slots, no batch_norm, groups that the lanes
 // hold (GROUP_ACROSS_LANES), every param a contiguous per-feature vector (row_stride 0, feature_stride 1, 16-byte
 // aligned).

@@ -1,4 +1,4 @@
-// Host side, shared by the fused op (gemm_epilogue.cu) and its backward (epilogue_backward.cu): the op table,
+// Host side, shared by the fused op (gemm_epilogue.cpp) and its backward (epilogue_backward.cpp): the op table,
 // the program parser (cached per program string), the binding of a program to one call's shapes, and the row
 // kernels' launch geometry. Entry points: cached_program(text), bind(ctx, binding), choose_row_layout(features),
 // place_groups(code, layout, vec, features).

@@ -1,4 +1,4 @@
-// The compiled form of a program, shared by the host binder (gemm_epilogue.cu) and the kernels
+// The compiled form of a program, shared by the host binder (gemm_epilogue.cpp) and the kernels
 // (interpreter.cuh): limits, opcodes, the instruction format, the kernels' by-value arguments, and the launchers.
 #pragma once
 

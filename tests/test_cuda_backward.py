@@ -1,4 +1,4 @@
-"""GPU tests of the CUDA backward of the epilogue, torch.ops.fxfuse.epilogue_backward (kernels/epilogue_backward.cu,
+"""GPU tests of the CUDA backward of the epilogue, torch.ops.fxfuse.epilogue_backward (kernels/epilogue_backward.cpp,
 kernels/backward_interpreter.cuh), run with `pytest -m cuda`.
 
 Every gradient it returns (the GEMM output's and each param's) is compared with the reference backward

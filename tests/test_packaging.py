@@ -54,8 +54,12 @@ def test_wheel_holds_the_subpackages_and_the_kernel_sources(wheel):
     assert "fxfuse/__init__.py" in names
     assert "fxfuse/patterns/__init__.py" in names
     assert "fxfuse/kernels/__init__.py" in names
-    kernel_sources = [n for n in names if n.startswith("fxfuse/kernels/") and n.endswith(".cu")]
-    assert kernel_sources, f"no fxfuse/kernels/*.cu in {names}"
+    from fxfuse.kernels import SOURCE_DIR, _sources
+
+    kernel_sources = {f"fxfuse/kernels/{path.name}" for path in [*_sources(), *SOURCE_DIR.glob("*.cuh")]}
+    assert any(name.endswith(".cpp") for name in kernel_sources), "the host-only translation units are .cpp files"
+    missing = kernel_sources - set(names)
+    assert not missing, f"kernel sources missing from the wheel: {sorted(missing)}"
     assert not [n for n in names if n.startswith(("patterns/", "kernels/", "tests/"))], names
 
 

@@ -15,6 +15,8 @@
 // those of the backward row kernel (backward_interpreter.cuh) and of the forward's binding; every tensor of one
 // dtype (fp32, bf16, fp16) on one CUDA device; a param that is not shared by all rows must be read whole (one
 // value per row, or per element), not broadcast over some leading dims.
+//
+// Host code only, compiled by the C++ compiler (gemm_epilogue.cpp says why); the kernel is in row_backward_*.cu.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>

@@ -9,10 +9,14 @@
 // and torch's TF32 flags, exactly as eager), then ONE launch of the epilogue interpreter (interpreter.cuh) reads
 // y once and writes it once, in place (gemm_epilogue_train: into a tensor of its own, as y is returned too).
 // The program text is parsed once per distinct string and cached; each call binds it to the shapes at hand (a
-// few hundred host instructions; program_binding.cuh, shared with the backward, epilogue_backward.cu) into a
+// few hundred host instructions; program_binding.cuh, shared with the backward, epilogue_backward.cpp) into a
 // compact instruction array that the kernel receives by value. A program
 // whose value outgrows the rows by broadcasting (row min + a (1, N, 1, 1) bias gives (1, N, M, 1)) runs its row
 // phase, then a second launch for its pointwise tail.
+//
+// Host code only, so a .cpp for the C++ compiler: as a .cu, nvcc's device passes parsed torch's headers once per
+// arch for no device code (98 s of compile on a 2-core machine, 22 s as a .cpp). The kernels' launchers are in
+// the .cu files, declared in program_format.cuh.
 //
 // Limits (anything else runs the reference through fxfuse::gemm_epilogue_fallback, or gemm_epilogue_train_fallback,
 // with the reason logged):
