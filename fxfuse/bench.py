@@ -4,7 +4,8 @@ Entry point: ``python -m fxfuse.bench [model files...] [--png PATH] [--runs N]``
 
 For each model file and each precision (fp32 IEEE, tf32, bf16) it times every entry of ``COLUMNS`` and the GEMM
 alone (``F.linear`` with the model's own Linear weights at the same precision) with CUDA events: warm-up, then the
-median of many calls, rotating several input sets so that inputs do not sit in L2. It prints one table of times
+median of many calls, rotating several input sets so that inputs do not sit in L2, and taking the calls of all
+of them in round-robin passes so that each ratio compares times taken at the same clocks. It prints one table of times
 and ratios to the GEMM alone, writes a PNG bar chart of the ratios, and reports the epilogue kernels' own time
 (from torch.profiler's CUDA kernel records of the fxfuse call) against the memory floor: bytes the epilogue must
 read and write over the device-to-device copy bandwidth measured in the same run.
@@ -73,19 +74,37 @@ def first_linear(model: nn.Module) -> nn.Linear:
     return next(m for m in model.modules() if isinstance(m, nn.Linear))
 
 
+def _call_times_ms(fn: Callable, input_sets: list[list], runs: int) -> list[float]:
+    """Milliseconds of each of `runs` calls of fn(*inputs), rotating the input sets; all calls queued, one sync."""
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(runs)]
+    for i, (start, end) in enumerate(events):
+        start.record()
+        fn(*input_sets[i % len(input_sets)])
+        end.record()
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) for start, end in events]
+
+
 def time_ms(fn: Callable, input_sets: list[list], runs: int, warmup: int = 5) -> float:
-    """Median milliseconds of fn(*inputs), rotating the input sets; all calls queued, one sync at the end."""
+    """Median milliseconds of fn(*inputs), rotating the input sets."""
+    return time_interleaved_ms({"fn": fn}, input_sets, runs, rounds=1, warmup=warmup)["fn"]
+
+
+def time_interleaved_ms(fns: dict[str, Callable], input_sets: list[list], runs: int, rounds: int = 5,
+                        warmup: int = 5) -> dict[str, float]:
+    """Median milliseconds per call of each fn, its `runs` calls split over `rounds` round-robin passes through
+    all of them, so that each is timed at the same clocks: a GEMM's time drifts by about 1% over the minutes a
+    model's row takes (fp32 GEMM alone 2.702 ms in one row, 2.726 in the next, timed one after the other)."""
+    times = {name: [] for name in fns}
     with torch.no_grad():
-        for i in range(warmup):
-            fn(*input_sets[i % len(input_sets)])
+        for fn in fns.values():
+            for i in range(warmup):
+                fn(*input_sets[i % len(input_sets)])
         torch.cuda.synchronize()
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(runs)]
-        for i, (start, end) in enumerate(events):
-            start.record()
-            fn(*input_sets[i % len(input_sets)])
-            end.record()
-        torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) for start, end in events)
+        for r in range(rounds):
+            for name, fn in fns.items():
+                times[name] += _call_times_ms(fn, input_sets, runs // rounds + (r < runs % rounds))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def time_loop_ms(fn: Callable, input_sets: list[list], runs: int, warmup: int = 20, loops: int = 5) -> float:
@@ -185,12 +204,10 @@ def bench_file(path, runs: int, bandwidth: float) -> list[dict]:
         input_sets = [[t.to(device="cuda", dtype=dtype) if t.is_floating_point() else t.cuda() for t in inputs]]
         input_sets += [[torch.rand_like(t) for t in input_sets[0]] for _ in range(INPUT_SETS - 1)]
         linear = first_linear(model)
-        row = {"model": model_file.name, "precision": precision,
-               "gemm": time_ms(lambda x, *_: F.linear(x, linear.weight, linear.bias), input_sets, runs)}
-        callables = {}
+        callables = {"gemm": lambda x, *_: F.linear(x, linear.weight, linear.bias)}
         for column in COLUMNS:
             callables[column.name] = column.build(model, input_sets[0])
-            row[column.name] = time_ms(callables[column.name], input_sets, runs)
+        row = {"model": model_file.name, "precision": precision, **time_interleaved_ms(callables, input_sets, runs)}
         fused = callables["fxfuse"]
         with torch.no_grad():
             out = fused(*input_sets[0])
