@@ -5,7 +5,9 @@ Entry point: ``python -m fxfuse.bench [model files...] [--png PATH] [--runs N]``
 For each model file and each precision (fp32 IEEE, tf32, bf16) it times every entry of ``COLUMNS`` and the GEMM
 alone (``F.linear`` with the model's own Linear weights at the same precision) with CUDA events: warm-up, then the
 median of many calls, rotating several input sets so that inputs do not sit in L2, and taking the calls of all
-of them in round-robin passes so that each ratio compares times taken at the same clocks. It prints one table of times
+of them in round-robin passes so that each ratio compares times taken at the same clocks. Each batch of calls is
+queued while the GPU spins, so the times are GPU times with the host kept ahead (a call's host cost is apart:
+dev/host_cost.py). It prints one table of times
 and ratios to the GEMM alone, writes a PNG bar chart of the ratios, and reports the epilogue kernels' own time
 (from torch.profiler's CUDA kernel records of the fxfuse call) against the memory floor: bytes the epilogue must
 read and write over the device-to-device copy bandwidth measured in the same run.
@@ -74,9 +76,16 @@ def first_linear(model: nn.Module) -> nn.Linear:
     return next(m for m in model.modules() if isinstance(m, nn.Linear))
 
 
+HOST_HEADSTART_CYCLES = 50_000_000  # about 25 ms of GPU clock: time for the host to queue a batch of calls
+
+
 def _call_times_ms(fn: Callable, input_sets: list[list], runs: int) -> list[float]:
-    """Milliseconds of each of `runs` calls of fn(*inputs), rotating the input sets; all calls queued, one sync."""
+    """Milliseconds of each of `runs` calls of fn(*inputs), rotating the input sets; all calls queued, one sync.
+    The GPU first spins while the host queues them, so that each time is the GPU's for that call (its kernels and
+    the gaps between them), not the host's: on the shared machines the host at times took 2-3x a bf16 call's GPU
+    time, and the fxfuse and torch.compile cells of bf16 rows then read 1.7-2.6x the GEMM alone, not 1.06-1.13x."""
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(runs)]
+    torch.cuda._sleep(HOST_HEADSTART_CYCLES)
     for i, (start, end) in enumerate(events):
         start.record()
         fn(*input_sets[i % len(input_sets)])
@@ -193,7 +202,7 @@ def epilogue_bytes(model: nn.Module, inputs: list, out: torch.Tensor) -> int:
     return rows * linear.out_features * element + out.numel() * element
 
 
-def bench_file(path, runs: int, bandwidth: float) -> list[dict]:
+def bench_file(path, runs: int, bandwidth: float, rounds: int = 5) -> list[dict]:
     model_file = load_model_file(path)
     rows = []
     for precision, dtype, allow_tf32 in PRECISIONS:
@@ -207,7 +216,7 @@ def bench_file(path, runs: int, bandwidth: float) -> list[dict]:
         callables = {"gemm": lambda x, *_: F.linear(x, linear.weight, linear.bias)}
         for column in COLUMNS:
             callables[column.name] = column.build(model, input_sets[0])
-        row = {"model": model_file.name, "precision": precision, **time_interleaved_ms(callables, input_sets, runs)}
+        row = {"model": model_file.name, "precision": precision, **time_interleaved_ms(callables, input_sets, runs, rounds)}
         fused = callables["fxfuse"]
         with torch.no_grad():
             out = fused(*input_sets[0])
@@ -302,6 +311,8 @@ def main(argv=None) -> int:
     parser.add_argument("files", nargs="*", help="KernelBench-style model files (default: examples/*.py)")
     parser.add_argument("--png", default="bench.png", help="where to write the chart (default: bench.png)")
     parser.add_argument("--runs", type=int, default=50, help="timed calls per measurement (default: 50)")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="round-robin passes the runs are split over (default: 5; 1 times each column in turn)")
     parser.add_argument("--columns", default=",".join(c.name for c in COLUMNS),
                         help="comma-separated columns to time (default: all; fxfuse is always timed)")
     parser.add_argument("--training", default=",".join(TRAINING_PRECISIONS),
@@ -319,7 +330,7 @@ def main(argv=None) -> int:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}; "
           f"device-to-device copy {bandwidth:.0f} GB/s (read + write)")
     print(header(), flush=True)
-    rows = [row for path in files for row in bench_file(path, args.runs, bandwidth)]
+    rows = [row for path in files for row in bench_file(path, args.runs, bandwidth, args.rounds)]
     write_png(rows, Path(args.png))
     print(f"\nchart: {args.png}")
     print(header())
