@@ -190,20 +190,30 @@ __global__ void __launch_bounds__(512 * ROWS_AT_ONCE, 2 / ROWS_AT_ONCE)
   }
 }
 
+// The one-kernel probes' arguments: y (rows x features), the norm's weight and bias, the tail's fp32 bias, and
+// the (features x rows) output.
+struct OneKernelArgs {
+  const uint4 *data, *w, *b;
+  const float* tb;
+  unsigned* o;
+  int rows, features, tpr;
+  bool half;
+  OneKernelArgs(torch::Tensor y, torch::Tensor weight, torch::Tensor bias, torch::Tensor tail_bias, torch::Tensor out)
+      : data(reinterpret_cast<const uint4*>(y.data_ptr())), w(reinterpret_cast<const uint4*>(weight.data_ptr())),
+        b(reinterpret_cast<const uint4*>(bias.data_ptr())), tb(tail_bias.data_ptr<float>()),
+        o(reinterpret_cast<unsigned*>(out.data_ptr())), rows(y.size(0)), features(y.size(1)),
+        tpr(features / 16), half(y.element_size() == 2) {}
+};
+
 void tiled(torch::Tensor y, torch::Tensor weight, torch::Tensor bias, torch::Tensor tail_bias, torch::Tensor out,
            int64_t tile_rows, int64_t rows_at_once, bool discard) {
   auto stream = at::cuda::getCurrentCUDAStream();
-  const int rows = y.size(0), features = y.size(1), tpr = features / 16;
-  const auto* data = reinterpret_cast<const uint4*>(y.data_ptr());
-  const auto* w = reinterpret_cast<const uint4*>(weight.data_ptr());
-  const auto* b = reinterpret_cast<const uint4*>(bias.data_ptr());
-  const float* tb = tail_bias.data_ptr<float>();
-  auto* o = reinterpret_cast<unsigned*>(out.data_ptr());
-  const int blocks = rows / tile_rows, threads = tpr * rows_at_once;
-  const bool half = y.element_size() == 2;
-#define TILED(H, R, A, D)                                                                                   \
-  if (half == H && tile_rows == R && rows_at_once == A && discard == D)                                   \
-    tiled_min_bias<H, R, A, D><<<blocks, threads, 0, stream>>>(data, features, tpr, w, b, tb, o, rows);
+  const OneKernelArgs a(y, weight, bias, tail_bias, out);
+  const int blocks = a.rows / tile_rows, threads = a.tpr * rows_at_once;
+#define TILED(H, R, A, D)                                                                     \
+  if (a.half == H && tile_rows == R && rows_at_once == A && discard == D)                   \
+    tiled_min_bias<H, R, A, D><<<blocks, threads, 0, stream>>>(a.data, a.features, a.tpr, a.w, a.b, a.tb, \
+                                                               a.o, a.rows);
 #define TILED_BOTH(H, R, A) TILED(H, R, A, false) TILED(H, R, A, true)
   TILED_BOTH(true, 4, 1) TILED_BOTH(true, 8, 1) TILED_BOTH(true, 8, 2) TILED_BOTH(true, 16, 2)
   TILED_BOTH(false, 2, 1) TILED_BOTH(false, 4, 1) TILED_BOTH(false, 4, 2) TILED_BOTH(false, 8, 2)
@@ -268,18 +278,12 @@ __global__ void __cluster_dims__(C, 1, 1) __launch_bounds__(512, 2)
 void clustered(torch::Tensor y, torch::Tensor weight, torch::Tensor bias, torch::Tensor tail_bias, torch::Tensor out,
                int64_t cluster_size, bool discard) {
   auto stream = at::cuda::getCurrentCUDAStream();
-  const int rows = y.size(0), features = y.size(1), tpr = features / 16;
-  const auto* data = reinterpret_cast<const uint4*>(y.data_ptr());
-  const auto* w = reinterpret_cast<const uint4*>(weight.data_ptr());
-  const auto* b = reinterpret_cast<const uint4*>(bias.data_ptr());
-  const float* tb = tail_bias.data_ptr<float>();
-  auto* o = reinterpret_cast<unsigned*>(out.data_ptr());
-  const bool half = y.element_size() == 2;
-  const int blocks = rows / (half ? 16 : 8) * cluster_size;
+  const OneKernelArgs a(y, weight, bias, tail_bias, out);
+  const int blocks = a.rows / (a.half ? 16 : 8) * cluster_size;
   cudaFuncSetAttribute(cluster_min_bias<true, 16, false>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
 #define CLUSTERED(H, C, D)                                  \
-  if (half == H && cluster_size == C && discard == D)       \
-    cluster_min_bias<H, C, D><<<blocks, tpr, 0, stream>>>(data, features, w, b, tb, o, rows);
+  if (a.half == H && cluster_size == C && discard == D)     \
+    cluster_min_bias<H, C, D><<<blocks, a.tpr, 0, stream>>>(a.data, a.features, a.w, a.b, a.tb, a.o, a.rows);
   CLUSTERED(true, 4, false) CLUSTERED(true, 8, false) CLUSTERED(true, 16, false) CLUSTERED(true, 8, true)
   CLUSTERED(false, 2, false) CLUSTERED(false, 4, false) CLUSTERED(false, 8, false) CLUSTERED(false, 4, true)
 #undef CLUSTERED
