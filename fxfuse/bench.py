@@ -7,10 +7,10 @@ alone (``F.linear`` with the model's own Linear weights at the same precision) w
 median of many calls, rotating several input sets so that inputs do not sit in L2, and taking the calls of all
 of them in round-robin passes so that each ratio compares times taken at the same clocks. Each batch of calls is
 queued while the GPU spins, so the times are GPU times with the host kept ahead (a call's host cost is apart:
-dev/host_cost.py). It prints one table of times
-and ratios to the GEMM alone, writes a PNG bar chart of the ratios, and reports the epilogue kernels' own time
-(from torch.profiler's CUDA kernel records of the fxfuse call) against the memory floor: bytes the epilogue must
-read and write over the device-to-device copy bandwidth measured in the same run.
+dev/host_cost.py). It prints one table of times and ratios to the GEMM alone, writes a PNG bar chart of the
+ratios, and reports the epilogue kernels' own time (from torch.profiler's CUDA kernel records of the fxfuse call)
+against the memory floor: bytes the epilogue must read and write over the device-to-device copy bandwidth
+measured in the same run.
 
 Each model also gets a training-step row per precision in ``TRAINING_PRECISIONS``: forward + backward + SGD step
 for every column, with the same step of the GEMM alone as its baseline (its epilogue columns stay empty), each the
@@ -216,7 +216,8 @@ def bench_file(path, runs: int, bandwidth: float, rounds: int = 5) -> list[dict]
         callables = {"gemm": lambda x, *_: F.linear(x, linear.weight, linear.bias)}
         for column in COLUMNS:
             callables[column.name] = column.build(model, input_sets[0])
-        row = {"model": model_file.name, "precision": precision, **time_interleaved_ms(callables, input_sets, runs, rounds)}
+        row = {"model": model_file.name, "precision": precision,
+               **time_interleaved_ms(callables, input_sets, runs, rounds)}
         fused = callables["fxfuse"]
         with torch.no_grad():
             out = fused(*input_sets[0])

@@ -2,10 +2,10 @@
 
 Entry points: ``load()`` (call before running the fused op on a GPU; cheap once loaded) and ``supported_ops()``.
 
-The sources (``*.cu``, ``*.cuh``, and the host-only ``*.cpp`` here) are compiled once with ``torch.utils.cpp_extension`` and ninja for the
-visible GPUs' architectures into a cache directory (``~/.cache/fxfuse``, or ``$FXFUSE_CACHE_DIR``) keyed by a
-hash of the sources, the torch and CUDA versions and the archs; later processes load the cached library with
-``torch.ops.load_library``. A file lock keeps concurrent builders from corrupting the cache. Without a GPU or
+The sources (``*.cu``, ``*.cuh``, and the host-only ``*.cpp`` here) are compiled once with
+``torch.utils.cpp_extension`` and ninja for the visible GPUs' architectures into a cache directory
+(``~/.cache/fxfuse``, or ``$FXFUSE_CACHE_DIR``) keyed by a hash of the sources, the torch and CUDA versions and
+the archs; later processes load the cached library with ``torch.ops.load_library``. A file lock keeps concurrent builders from corrupting the cache. Without a GPU or
 nvcc, ``load()`` logs one warning and returns False, and the op keeps running its reference implementation.
 """
 from __future__ import annotations
