@@ -9,6 +9,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from fxfuse.kernels import translation_units
+
 KERNELS = Path(__file__).resolve().parent.parent / "kernels"
 
 
@@ -18,7 +20,7 @@ def materialize(patch: Path) -> Path:
     fresh = sources.with_name("fresh")
     shutil.rmtree(fresh, ignore_errors=True)
     fresh.mkdir(parents=True)
-    for source in [*KERNELS.glob("*.cu"), *KERNELS.glob("*.cpp"), *KERNELS.glob("*.cuh")]:
+    for source in [*translation_units(KERNELS), *KERNELS.glob("*.cuh")]:
         shutil.copy(source, fresh)
     subprocess.run(["patch", "-s", "-p1", "-d", str(fresh), "-i", str(Path(patch).resolve())], check=True)
     sources.mkdir(parents=True, exist_ok=True)
@@ -46,7 +48,7 @@ def load_kernels(arg: str) -> str:
     build_dir = Path("/tmp") / f"fxfuse-variant-{name}" / "build"
     build_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    cpp_extension.load(name=f"fxfuse_variant_{name}", sources=[str(p) for p in sorted(sources.glob("*.cu")) + sorted(sources.glob("*.cpp"))],
+    cpp_extension.load(name=f"fxfuse_variant_{name}", sources=[str(p) for p in translation_units(sources)],
                        extra_cuda_cflags=NVCC_FLAGS + _arch_flags(), build_directory=str(build_dir),
                        is_python_module=False)
     print(f"{name}: built in {time.perf_counter() - start:.0f} s")

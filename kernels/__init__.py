@@ -5,8 +5,9 @@ Entry points: ``load()`` (call before running the fused op on a GPU; cheap once 
 The sources (``*.cu``, ``*.cuh``, and the host-only ``*.cpp`` here) are compiled once with
 ``torch.utils.cpp_extension`` and ninja for the visible GPUs' architectures into a cache directory
 (``~/.cache/fxfuse``, or ``$FXFUSE_CACHE_DIR``) keyed by a hash of the sources, the torch and CUDA versions and
-the archs; later processes load the cached library with ``torch.ops.load_library``. A file lock keeps concurrent builders from corrupting the cache. Without a GPU or
-nvcc, ``load()`` logs one warning and returns False, and the op keeps running its reference implementation.
+the archs; later processes load the cached library with ``torch.ops.load_library``. A file lock keeps concurrent
+builders from corrupting the cache. Without a GPU or nvcc, ``load()`` logs one warning and returns False, and the
+op keeps running its reference implementation.
 """
 from __future__ import annotations
 
@@ -33,9 +34,13 @@ def cache_root() -> Path:
     return Path(os.environ.get("FXFUSE_CACHE_DIR") or Path.home() / ".cache" / "fxfuse")
 
 
+def translation_units(directory: Path) -> list[Path]:
+    """The translation units in `directory`: kernels in .cu files, host-only code (the ops' launchers) in .cpp."""
+    return sorted(directory.glob("*.cu")) + sorted(directory.glob("*.cpp"))
+
+
 def _sources() -> list[Path]:
-    """The translation units: kernels in .cu files, host-only code (the ops' launchers) in .cpp files."""
-    return sorted(SOURCE_DIR.glob("*.cu")) + sorted(SOURCE_DIR.glob("*.cpp"))
+    return translation_units(SOURCE_DIR)
 
 
 def _arch_flags() -> list[str]:

@@ -54,9 +54,10 @@ def test_wheel_holds_the_subpackages_and_the_kernel_sources(wheel):
     assert "fxfuse/__init__.py" in names
     assert "fxfuse/patterns/__init__.py" in names
     assert "fxfuse/kernels/__init__.py" in names
-    from fxfuse.kernels import SOURCE_DIR, _sources
+    from fxfuse.kernels import SOURCE_DIR, translation_units
 
-    kernel_sources = {f"fxfuse/kernels/{path.name}" for path in [*_sources(), *SOURCE_DIR.glob("*.cuh")]}
+    sources = [*translation_units(SOURCE_DIR), *SOURCE_DIR.glob("*.cuh")]
+    kernel_sources = {f"fxfuse/kernels/{path.name}" for path in sources}
     assert any(name.endswith(".cpp") for name in kernel_sources), "the host-only translation units are .cpp files"
     missing = kernel_sources - set(names)
     assert not missing, f"kernel sources missing from the wheel: {sorted(missing)}"
