@@ -149,6 +149,11 @@ struct FastDivisor {
   }
 };
 
+// How a tail chain's two operands (the row phase's result and one param) vary along a thread's 16-byte run, where
+// the launcher can tell: one contiguous and the other broadcast (the min + bias example: the row mins along the
+// run, the bias constant). Each gets a chain build with one load path per operand (tail_loads says which).
+enum TailLoads : int { TAIL_LOADS_ANY, TAIL_LOADS_ROW_VECTOR, TAIL_LOADS_ROW_BROADCAST };
+
 struct TailProgram {
   Instruction code[kMaxInstructions];
   TailOperand operands[kMaxTailOperands];  // 0: the row phase's result; then the params the tail reads
@@ -160,6 +165,17 @@ struct TailProgram {
   int32_t ndim;
   int32_t num_instructions;
 };
+
+// The TailLoads of a one-instruction program whose operands are the row result and a param.
+inline TailLoads tail_loads(const TailProgram& prog) {
+  if (prog.num_instructions != 1 || prog.num_operands != 2) return TAIL_LOADS_ANY;
+  const TailOperand& row = prog.operands[0];
+  const TailOperand& param = prog.operands[1];
+  const auto broadcast = [&](const TailOperand& operand) { return operand.strides[prog.ndim - 1] == 0; };
+  if (row.vector_loads && broadcast(param)) return TAIL_LOADS_ROW_VECTOR;
+  if (broadcast(row) && param.vector_loads) return TAIL_LOADS_ROW_BROADCAST;
+  return TAIL_LOADS_ANY;
+}
 
 // ================================================================ the backward's program (backward_interpreter.cuh)
 

@@ -298,6 +298,12 @@ def test_the_fastest_row_kernel_that_takes_the_program_runs(case, precision):
     assert_close_to_reference(out, x, weight, bias, params, program, bound_for(precision))
 
 
+def tail_loads(name: str) -> int:
+    """The LOADS template argument of a broadcast tail kernel's name (TailLoads in program_format.cuh: 0 any, 1 the
+    row result contiguous along a run and the param broadcast, 2 the other way round)."""
+    return int(name.split("<")[1].split(">")[0].split(", ")[3])
+
+
 def launched_kernel(program, x, weight, bias, params, part="row"):
     """The name of the one row kernel that the op launches (with part="broadcast_tail": its broadcast tail kernel)."""
     from torch.profiler import ProfilerActivity, profile
@@ -363,6 +369,7 @@ def test_every_tail_chain_runs_its_own_kernel(precision):
             params = [torch.randn(1, n, 1, 1, device="cuda").to(dtype) + 3.0]  # away from 0 for div
             launched = launched_kernel(program, x, weight, bias, params, part="broadcast_tail")
             assert "Opcode" in launched, launched  # the chain build's template arguments
+            assert tail_loads(launched) == 1, launched  # the mins contiguous along the output's rows, the param not
             run_and_check(program, x, weight, bias, params, bound_for(precision), out_shape=(1, n, m, 1))
 
 
@@ -446,8 +453,11 @@ def test_broadcast_tail_over_three_dims(lead, param_shape, precision):
     x, weight, bias = linear_inputs(None, 33, 96, dtype, lead=lead)
     params = [torch.randn(param_shape, device="cuda").to(dtype)]
     out_shape = (*lead, param_shape[-1])
-    out = run_and_check("amin(%0,-1,True);add(%1,$0)", x, weight, bias, params, bound_for(precision), out_shape)
+    program = "amin(%0,-1,True);add(%1,$0)"
+    out = run_and_check(program, x, weight, bias, params, bound_for(precision), out_shape)
     assert out.shape == out_shape
+    if out_shape[-1] == 512:  # each row's min broadcast along the run, the param contiguous: the build for that
+        assert tail_loads(launched_kernel(program, x, weight, bias, params, part="broadcast_tail")) == 2
 
 
 @pytest.mark.parametrize("program", ["", "relu(%0)", "add(%0,$0)"])
