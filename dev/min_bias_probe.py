@@ -6,7 +6,9 @@ in L2 as it does in the fused op:
 - the row phase: group_norm(512 groups, affine) then the whole-row min, one 512-thread block per row, with the
   block's min either exchanged through shared memory (two barriers) or left as 16 per-warp partials in global
   memory (no barrier; the tail would fold them), and the exchange again in a persistent grid of two blocks per SM
-  at 64 registers, as the fast row kernel runs;
+  at 64 registers, as the fast row kernel runs: as it stands, with the next row staged in shared memory by
+  cp.async (the fast row kernel's staging), and with its arguments at the end of a 2 KB struct (where the fast
+  row kernel's RowProgram has them);
 - the tail: out[n][b] = min[b] + bias[n] as a (N, B) tensor, one 16-byte store a thread, into y's memory (by grid
   size) or into a fresh tensor; torch's fill_ of y's memory and torch's broadcast add, as yardsticks of the write alone;
 - both hand-written phases as two kernels, and as one persistent kernel with a grid-wide barrier between them,
@@ -62,6 +64,66 @@ __device__ __forceinline__ void block_min(float low, float* result) {
     if (threadIdx.x == 0) *result = low;
   }
   __syncthreads();
+}
+
+// norm_min of a row already loaded (chunk c of thread t at c * tpr + t, as warp_norm_min loads it).
+template <bool HALF>
+__device__ __forceinline__ float warp_norm_min_of(const uint4 (&raw)[HALF ? 2 : 4], int tpr, const uint4* weight,
+                                                  const uint4* bias) {
+  constexpr int CHUNKS = HALF ? 2 : 4, VALUES = HALF ? 8 : 4;
+  float low = INFINITY;
+#pragma unroll
+  for (int c = 0; c < CHUNKS; ++c) {
+    float v[VALUES];
+    unpack_storage<HALF>(raw[c], v);
+    group_norm_16<HALF>(v, weight, bias, c * tpr + threadIdx.x);
+#pragma unroll
+    for (int j = 0; j < VALUES; ++j) low = fminf(low, v[j]);
+  }
+  for (int offset = 16; offset > 0; offset >>= 1) low = fminf(low, __shfl_xor_sync(0xffffffffu, low, offset));
+  return low;
+}
+
+// The persistent row phase with the fast row kernel's staging: the next row copied into shared memory with
+// cp.async while this one computes (each thread its own slots), as kernels/fast_row.cuh's run_rows does.
+template <bool HALF>
+__global__ void __launch_bounds__(512, 2) staged_norm_min(const uint4* data, int rows, int tpr, const uint4* weight,
+                                                          const uint4* bias, float* result) {
+  constexpr int CHUNKS = HALF ? 2 : 4;
+  extern __shared__ uint4 staging[];
+  const auto stage = [&](int row) {
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) {
+      const unsigned slot = static_cast<unsigned>(__cvta_generic_to_shared(staging + c * blockDim.x + threadIdx.x));
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(slot),
+                   "l"(data + (long)row * CHUNKS * tpr + c * tpr + threadIdx.x));
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+  };
+  if (blockIdx.x < rows) stage(blockIdx.x);
+  for (int row = blockIdx.x; row < rows; row += gridDim.x) {
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    uint4 raw[CHUNKS];
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) raw[c] = staging[c * blockDim.x + threadIdx.x];
+    if (row + gridDim.x < rows) stage(row + gridDim.x);
+    block_min(warp_norm_min_of<HALF>(raw, tpr, weight, bias), result + row);
+  }
+}
+
+// The persistent row phase with its arguments where the fast row kernel has them: at the end of a 2 KB
+// __grid_constant__ struct (RowProgram's instructions and params come first).
+struct BigArgs {
+  char instructions_and_params[1808];
+  const uint4 *data, *weight, *bias;
+  float* result;
+  int rows, tpr;
+};
+
+template <bool HALF>
+__global__ void __launch_bounds__(512, 2) big_args_norm_min(const __grid_constant__ BigArgs a) {
+  for (int row = blockIdx.x; row < a.rows; row += gridDim.x)
+    block_min(warp_norm_min<HALF>(a.data, row, a.tpr, a.weight, a.bias), a.result + row);
 }
 
 // PARTIALS: each warp writes its min to partial[row][warp]. PERSISTENT: a grid of two blocks per SM walks the
@@ -312,6 +374,27 @@ void row_phase(torch::Tensor y, torch::Tensor weight, torch::Tensor bias, torch:
   }
 }
 
+// The persistent row phase (two blocks an SM) as `kind`: 0 staged through shared memory, 1 big arguments.
+void row_phase_as(torch::Tensor y, torch::Tensor weight, torch::Tensor bias, torch::Tensor result, int64_t kind) {
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const bool half = y.element_size() == 2;
+  const int rows = y.size(0), tpr = static_cast<int>(y.size(1) / 16);
+  const auto* data = reinterpret_cast<const uint4*>(y.data_ptr());
+  const auto* w = reinterpret_cast<const uint4*>(weight.data_ptr());
+  const auto* b = reinterpret_cast<const uint4*>(bias.data_ptr());
+  float* r = result.data_ptr<float>();
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, y.get_device());
+  const int staging_bytes = tpr * 16 * (half ? 2 : 4);
+  if (kind == 0 && half) staged_norm_min<true><<<2 * sms, tpr, staging_bytes, stream>>>(data, rows, tpr, w, b, r);
+  if (kind == 0 && !half) staged_norm_min<false><<<2 * sms, tpr, staging_bytes, stream>>>(data, rows, tpr, w, b, r);
+  BigArgs a{};
+  a.data = data, a.weight = w, a.bias = b, a.result = r, a.rows = rows, a.tpr = tpr;
+  if (kind == 1 && half) big_args_norm_min<true><<<2 * sms, tpr, 0, stream>>>(a);
+  if (kind == 1 && !half) big_args_norm_min<false><<<2 * sms, tpr, 0, stream>>>(a);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 void fused(torch::Tensor y, torch::Tensor weight, torch::Tensor bias, torch::Tensor mins, torch::Tensor tail_bias,
            torch::Tensor arrived, int64_t blocks, int64_t target) {
   auto stream = at::cuda::getCurrentCUDAStream();
@@ -351,10 +434,11 @@ void row_phase(torch::Tensor y, torch::Tensor weight, torch::Tensor bias, torch:
 void tail(torch::Tensor mins, torch::Tensor bias, torch::Tensor out, int64_t blocks);
 void fused(torch::Tensor y, torch::Tensor weight, torch::Tensor bias, torch::Tensor mins, torch::Tensor tail_bias,
            torch::Tensor arrived, int64_t blocks, int64_t target);
+void row_phase_as(torch::Tensor y, torch::Tensor weight, torch::Tensor bias, torch::Tensor result, int64_t kind);
 """
 
 dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[sys.argv[1] if len(sys.argv) > 1 else "bf16"]
-probe = load_inline("min_bias_probe", CPP, cuda_sources=SOURCE, functions=["row_phase", "tail", "fused", "tiled", "clustered"],
+probe = load_inline("min_bias_probe", CPP, cuda_sources=SOURCE, functions=["row_phase", "row_phase_as", "tail", "fused", "tiled", "clustered"],
                     extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"])
 rows, features = 1024, 8192
 x = torch.randn(rows, features, device="cuda", dtype=dtype)
@@ -395,6 +479,10 @@ show("row: norm + min, per-warp partials", lambda y: probe.row_phase(y, norm_wei
      ("norm_min",))
 show("row: norm + min, block exchange, 2 blocks an SM walk the rows",
      lambda y: probe.row_phase(y, norm_weight, norm_bias, mins, False, 2 * sms), ("norm_min",))
+show("row: the same, the next row staged in shared memory (cp.async)",
+     lambda y: probe.row_phase_as(y, norm_weight, norm_bias, mins, 0), ("norm_min",))
+show("row: the same, arguments at the end of a 2 KB struct",
+     lambda y: probe.row_phase_as(y, norm_weight, norm_bias, mins, 1), ("norm_min",))
 for blocks in (sms * 4, sms * 8, sms * 16):
     show(f"tail: outer add into y, {blocks} blocks", lambda y: probe.tail(mins, tail_bias, y.view(features, rows), blocks),
          ("outer_add",))
