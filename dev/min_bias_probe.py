@@ -352,8 +352,10 @@ void clustered(torch::Tensor y, torch::Tensor weight, torch::Tensor bias, torch:
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// persistent_blocks > 0: a persistent grid of that many blocks, as it stands (persistent_kind 0), with the next
+// row staged in shared memory (1) or with its arguments in a 2 KB struct (2).
 void row_phase(torch::Tensor y, torch::Tensor weight, torch::Tensor bias, torch::Tensor result, bool partials,
-               int64_t persistent_blocks) {
+               int64_t persistent_blocks, int64_t persistent_kind) {
   auto stream = at::cuda::getCurrentCUDAStream();
   const bool half = y.element_size() == 2;
   const int rows = y.size(0), tpr = static_cast<int>(y.size(1) / 16);
@@ -362,7 +364,16 @@ void row_phase(torch::Tensor y, torch::Tensor weight, torch::Tensor bias, torch:
   const auto* b = reinterpret_cast<const uint4*>(bias.data_ptr());
   float* r = result.data_ptr<float>();
   const int blocks = persistent_blocks > 0 ? persistent_blocks : rows;
-  if (persistent_blocks > 0) {
+  if (persistent_blocks > 0 && persistent_kind == 1) {
+    const int staging_bytes = tpr * 16 * (half ? 2 : 4);
+    if (half) staged_norm_min<true><<<blocks, tpr, staging_bytes, stream>>>(data, rows, tpr, w, b, r);
+    else staged_norm_min<false><<<blocks, tpr, staging_bytes, stream>>>(data, rows, tpr, w, b, r);
+  } else if (persistent_blocks > 0 && persistent_kind == 2) {
+    BigArgs a{};
+    a.data = data, a.weight = w, a.bias = b, a.result = r, a.rows = rows, a.tpr = tpr;
+    if (half) big_args_norm_min<true><<<blocks, tpr, 0, stream>>>(a);
+    else big_args_norm_min<false><<<blocks, tpr, 0, stream>>>(a);
+  } else if (persistent_blocks > 0) {
     if (half) norm_min<true, false, true><<<blocks, tpr, 0, stream>>>(data, rows, tpr, w, b, r);
     else norm_min<false, false, true><<<blocks, tpr, 0, stream>>>(data, rows, tpr, w, b, r);
   } else if (half) {
@@ -372,27 +383,6 @@ void row_phase(torch::Tensor y, torch::Tensor weight, torch::Tensor bias, torch:
     if (partials) norm_min<false, true, false><<<rows, tpr, 0, stream>>>(data, rows, tpr, w, b, r);
     else norm_min<false, false, false><<<rows, tpr, 0, stream>>>(data, rows, tpr, w, b, r);
   }
-}
-
-// The persistent row phase (two blocks an SM) as `kind`: 0 staged through shared memory, 1 big arguments.
-void row_phase_as(torch::Tensor y, torch::Tensor weight, torch::Tensor bias, torch::Tensor result, int64_t kind) {
-  auto stream = at::cuda::getCurrentCUDAStream();
-  const bool half = y.element_size() == 2;
-  const int rows = y.size(0), tpr = static_cast<int>(y.size(1) / 16);
-  const auto* data = reinterpret_cast<const uint4*>(y.data_ptr());
-  const auto* w = reinterpret_cast<const uint4*>(weight.data_ptr());
-  const auto* b = reinterpret_cast<const uint4*>(bias.data_ptr());
-  float* r = result.data_ptr<float>();
-  int sms = 0;
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, y.get_device());
-  const int staging_bytes = tpr * 16 * (half ? 2 : 4);
-  if (kind == 0 && half) staged_norm_min<true><<<2 * sms, tpr, staging_bytes, stream>>>(data, rows, tpr, w, b, r);
-  if (kind == 0 && !half) staged_norm_min<false><<<2 * sms, tpr, staging_bytes, stream>>>(data, rows, tpr, w, b, r);
-  BigArgs a{};
-  a.data = data, a.weight = w, a.bias = b, a.result = r, a.rows = rows, a.tpr = tpr;
-  if (kind == 1 && half) big_args_norm_min<true><<<2 * sms, tpr, 0, stream>>>(a);
-  if (kind == 1 && !half) big_args_norm_min<false><<<2 * sms, tpr, 0, stream>>>(a);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void fused(torch::Tensor y, torch::Tensor weight, torch::Tensor bias, torch::Tensor mins, torch::Tensor tail_bias,
@@ -430,15 +420,14 @@ void clustered(torch::Tensor y, torch::Tensor weight, torch::Tensor bias, torch:
 void tiled(torch::Tensor y, torch::Tensor weight, torch::Tensor bias, torch::Tensor tail_bias, torch::Tensor out,
            int64_t tile_rows, int64_t rows_at_once, bool discard);
 void row_phase(torch::Tensor y, torch::Tensor weight, torch::Tensor bias, torch::Tensor result, bool partials,
-               int64_t persistent_blocks);
+               int64_t persistent_blocks, int64_t persistent_kind);
 void tail(torch::Tensor mins, torch::Tensor bias, torch::Tensor out, int64_t blocks);
 void fused(torch::Tensor y, torch::Tensor weight, torch::Tensor bias, torch::Tensor mins, torch::Tensor tail_bias,
            torch::Tensor arrived, int64_t blocks, int64_t target);
-void row_phase_as(torch::Tensor y, torch::Tensor weight, torch::Tensor bias, torch::Tensor result, int64_t kind);
 """
 
 dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[sys.argv[1] if len(sys.argv) > 1 else "bf16"]
-probe = load_inline("min_bias_probe", CPP, cuda_sources=SOURCE, functions=["row_phase", "row_phase_as", "tail", "fused", "tiled", "clustered"],
+probe = load_inline("min_bias_probe", CPP, cuda_sources=SOURCE, functions=["row_phase", "tail", "fused", "tiled", "clustered"],
                     extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"])
 rows, features = 1024, 8192
 x = torch.randn(rows, features, device="cuda", dtype=dtype)
@@ -454,7 +443,7 @@ program = "group_norm(%0,$0,$1,512,1e-05);amin(%1,1,True);add(%2,$2)"
 params = [norm_weight, norm_bias, tail_bias.to(dtype).view(1, features, 1, 1)]
 if "--once" in sys.argv:  # for ncu: each hand-written phase once, then the fused op once
     y = F.linear(x, w, b)
-    probe.row_phase(y, norm_weight, norm_bias, mins, False, 2 * sms)
+    probe.row_phase(y, norm_weight, norm_bias, mins, False, 2 * sms, 0)
     probe.tail(mins, tail_bias, y.view(features, rows), sms * 8)
     load_kernels("current")
     torch.ops.fxfuse.gemm_epilogue(x, w, b, params, program)
@@ -474,15 +463,15 @@ def show(label, op, kernels):
 
 
 print(f"{dtype}, {rows} x {features}; CUDA µs per call")
-show("row: norm + min, block exchange", lambda y: probe.row_phase(y, norm_weight, norm_bias, mins, False, 0), ("norm_min",))
-show("row: norm + min, per-warp partials", lambda y: probe.row_phase(y, norm_weight, norm_bias, partials, True, 0),
+show("row: norm + min, block exchange", lambda y: probe.row_phase(y, norm_weight, norm_bias, mins, False, 0, 0), ("norm_min",))
+show("row: norm + min, per-warp partials", lambda y: probe.row_phase(y, norm_weight, norm_bias, partials, True, 0, 0),
      ("norm_min",))
 show("row: norm + min, block exchange, 2 blocks an SM walk the rows",
-     lambda y: probe.row_phase(y, norm_weight, norm_bias, mins, False, 2 * sms), ("norm_min",))
+     lambda y: probe.row_phase(y, norm_weight, norm_bias, mins, False, 2 * sms, 0), ("norm_min",))
 show("row: the same, the next row staged in shared memory (cp.async)",
-     lambda y: probe.row_phase_as(y, norm_weight, norm_bias, mins, 0), ("norm_min",))
+     lambda y: probe.row_phase(y, norm_weight, norm_bias, mins, False, 2 * sms, 1), ("norm_min",))
 show("row: the same, arguments at the end of a 2 KB struct",
-     lambda y: probe.row_phase_as(y, norm_weight, norm_bias, mins, 1), ("norm_min",))
+     lambda y: probe.row_phase(y, norm_weight, norm_bias, mins, False, 2 * sms, 2), ("norm_min",))
 for blocks in (sms * 4, sms * 8, sms * 16):
     show(f"tail: outer add into y, {blocks} blocks", lambda y: probe.tail(mins, tail_bias, y.view(features, rows), blocks),
          ("outer_add",))
@@ -504,7 +493,7 @@ def fused_call(y):
 
 
 gemm_ms = time_ms(lambda: F.linear(x, w, b), [[]], runs=50)
-two = lambda y: (probe.row_phase(y, norm_weight, norm_bias, mins, False, 2 * sms),
+two = lambda y: (probe.row_phase(y, norm_weight, norm_bias, mins, False, 2 * sms, 0),
                  probe.tail(mins, tail_bias, y.view(features, rows), sms * 8))
 
 
