@@ -898,6 +898,7 @@ struct TailReader {
     if constexpr (LOADS == TAIL_LOADS_ANY) {
       load(operand, run, dst);
     } else {
+      // ROW_BROADCAST: the row result (operand 0) is the broadcast one; ROW_VECTOR: the param is.
       const bool broadcast = (operand == 0) == (LOADS == TAIL_LOADS_ROW_BROADCAST);
       if (broadcast) load_known<true>(operand, run, dst);
       else load_known<false>(operand, run, dst);
