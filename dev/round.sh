@@ -9,17 +9,18 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"
-python3 -m pip install --no-deps --no-build-isolation -q -e . > "$OUT/pip.log" 2>&1 || cat "$OUT/pip.log"
+# The device tool returns at most 8 files from $OUT: the logs are merged or removed so that a profile comes back.
+python3 -m pip install --no-deps --no-build-isolation -q -e . > /tmp/round-pip.log 2>&1 || cat /tmp/round-pip.log
 nvidia-smi --query-gpu=name,clocks.sm --format=csv,noheader
 V="$*"
-start=$(date +%s)
-python3 -c "import fxfuse.kernels as k; k.load()" > "$OUT/build-current.log" 2>&1 &
+start=$(date +%s); rm -f /tmp/round-build-*.log
+python3 -c "import fxfuse.kernels as k; k.load()" > /tmp/round-build-current.log 2>&1 &
 for v in $V; do
   python3 -c "import sys; sys.path.insert(0, 'dev'); from variant_sources import load_kernels; load_kernels(sys.argv[1])" \
-    "$v" > "$OUT/build-$(basename "$v" .patch).log" 2>&1 &
+    "$v" > "/tmp/round-build-$(basename "$v" .patch).log" 2>&1 &
 done
 wait
-echo "builds: $(( $(date +%s) - start )) s"; tail -n 3 "$OUT"/build-*.log | grep -i error
+echo "builds: $(( $(date +%s) - start )) s"; tail -n 3 /tmp/round-build-*.log > "$OUT/builds.log"; grep -i error "$OUT/builds.log"
 for v in current $V; do python3 dev/variant_bench.py "$v" 2>&1 | grep -v Warning; done | tee "$OUT/bench.txt"
 echo "bench done: $(( $(date +%s) - start )) s"
 if [ -n "${SASS:-}" ]; then  # static opcode counts of the bf16 fast kernels of every build
