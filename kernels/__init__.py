@@ -39,10 +39,6 @@ def translation_units(directory: Path) -> list[Path]:
     return sorted(directory.glob("*.cu")) + sorted(directory.glob("*.cpp"))
 
 
-def _sources() -> list[Path]:
-    return translation_units(SOURCE_DIR)
-
-
 def _arch_flags() -> list[str]:
     """-gencode flags for every visible GPU's compute capability (sm_90a on Hopper)."""
     flags = []
@@ -57,7 +53,7 @@ def _arch_flags() -> list[str]:
 
 def build_key(arch_flags: list[str]) -> str:
     digest = hashlib.sha256()
-    for path in _sources() + sorted(SOURCE_DIR.glob("*.cuh")):
+    for path in translation_units(SOURCE_DIR) + sorted(SOURCE_DIR.glob("*.cuh")):
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
     for item in [torch.__version__, str(torch.version.cuda), *arch_flags, *NVCC_FLAGS]:
@@ -126,8 +122,9 @@ def _build(name: str, build_dir: Path, arch_flags: list[str]) -> None:
     archs = ", ".join(flag.rsplit("=", 1)[1] for flag in arch_flags)
     print(f"fxfuse: building the CUDA kernels for {archs} into {build_dir} (once per version) ...", flush=True)
     start = time.perf_counter()
-    cpp_extension.load(name=name, sources=[str(p) for p in _sources()], extra_cuda_cflags=NVCC_FLAGS + arch_flags,
-                       build_directory=str(build_dir), is_python_module=False, verbose=False)
+    cpp_extension.load(name=name, sources=[str(p) for p in translation_units(SOURCE_DIR)],
+                       extra_cuda_cflags=NVCC_FLAGS + arch_flags, build_directory=str(build_dir),
+                       is_python_module=False, verbose=False)
     print(f"fxfuse: built the CUDA kernels in {time.perf_counter() - start:.0f} s", flush=True)
 
 
