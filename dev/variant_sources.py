@@ -52,4 +52,5 @@ def load_kernels(arg: str) -> str:
                        extra_cuda_cflags=NVCC_FLAGS + _arch_flags(), build_directory=str(build_dir),
                        is_python_module=False)
     print(f"{name}: built in {time.perf_counter() - start:.0f} s")
+    fxfuse.kernels._loaded = True  # fxfuse.optimize's own load() must not register kernels/ over the variant
     return name

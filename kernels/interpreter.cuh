@@ -11,7 +11,8 @@
 //                       example's (1, N, M, 1) output): one pass over the output, operands read by strides.
 //                       A tail of one binary op (FXFUSE_TAIL_CHAINS) gets a build with its op compiled in: the
 //                       min + bias example's tail takes 7.2 us in bf16 and 11.1 in fp32 that way, against 9.0
-//                       and 12.6 interpreted (dev/NOTES.md, variants 57-64).
+//                       and 12.6 interpreted (dev/NOTES.md, variants 57-64). In 16-bit storage on sm_90 it
+//                       launches while the row kernel runs and waits for it on the GPU (launches_early).
 //
 // Register layout of a row: thread t of the row's TPR threads holds CHUNKS chunks of VEC contiguous elements
 // (VEC = 16 bytes of storage); chunk c covers elements [(c * TPR + t) * VEC, + VEC), so each load and store
@@ -691,6 +692,20 @@ __device__ __forceinline__ unsigned shared_address_of(const void* shared) {
 __device__ __forceinline__ void commit_async_copies() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void wait_async_copies() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
+// Programmatic dependent launch (sm_90; no-ops elsewhere and where the launch did not ask for it, launch_kernel):
+// the next kernel on the stream may start now, and must itself wait before it touches this kernel's output ...
+__device__ __forceinline__ void allow_next_kernel_to_start() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::);
+#endif
+}
+// ... and a kernel launched early waits here until the previous kernel has finished and its writes are visible.
+__device__ __forceinline__ void wait_for_previous_kernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 // Starts copying this thread's chunks of a row (`in`: its first element) into its own staging slots (slot c of
 // thread t at c * blockDim.x + t: a warp's 16-byte accesses are contiguous). Only the thread that copies a slot
 // reads it, so waiting for its own copies is all the synchronization the staging needs. WHOLE_ROWS: every chunk
@@ -942,6 +957,7 @@ __global__ void __launch_bounds__(256) broadcast_tail_kernel(const __grid_consta
   constexpr int WARP_SPAN = 32 * ELEMS * UNITS;
   const uint32_t lane = threadIdx.x % 32;
   const uint32_t warps = gridDim.x * (blockDim.x / 32);
+  wait_for_previous_kernel();  // launched early (launches_early): the row phase's results are not there before
   for (uint32_t warp_first = (blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32) * WARP_SPAN; warp_first < prog.numel;
        warp_first += warps * WARP_SPAN) {
     const uint32_t first = warp_first + lane * ELEMS;
@@ -991,6 +1007,39 @@ struct RowGrid {
   int64_t blocks;
   int64_t spare_shared_bytes;
 };
+
+// Whether the epilogue kernels of storage S launch as programmatic dependents of the stream's previous kernel:
+// they start while it finishes (the GEMM, or the row kernel before the broadcast tail) instead of after a launch
+// gap, and wait for it before reading (wait_for_previous_kernel). sm_90 and later, 16-bit storage only: bf16
+// op/GEMM 1.097 -> 1.090 (min_bias), 1.077 -> 1.069 (hardtanh); in fp32 IEEE the next call's SIMT GEMM then
+// loses the 1.6% it otherwise gains after the tail (2662 against 2705 us alone), so fp32 keeps plain launches
+// (variants 76-78, dev/NOTES.md).
+template <class S>
+bool launches_early() {
+  if (sizeof(typename S::Raw) != 2) return false;
+  int device = 0, major = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  return major >= 9;
+}
+
+// kernel<<<blocks, threads, shared_bytes, stream>>>(args...), checked; with `early`, as a programmatic dependent
+// launch (launches_early).
+template <class... Params, class... Args>
+void launch_kernel(void (*kernel)(Params...), unsigned blocks, int threads, int64_t shared_bytes, bool early,
+                   cudaStream_t stream, const Args&... args) {
+  cudaLaunchAttribute attribute;
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = early;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(blocks);
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = static_cast<size_t>(shared_bytes);
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, args...));
+}
 
 template <class Kernel>
 RowGrid row_grid(Kernel kernel, int threads, int64_t shared_bytes) {
@@ -1097,8 +1146,7 @@ void launch_broadcast_tail(const TailProgram& prog, cudaStream_t stream) {
   C10_CUDA_CHECK(cudaGetDevice(&device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((threads + 255) / 256, int64_t{sms} * 8));
-  kernel<<<blocks, 256, 0, stream>>>(prog);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel(kernel, blocks, 256, 0, launches_early<S>(), stream, prog);
 }
 
 }  // namespace fxfuse
