@@ -3,8 +3,8 @@
 
 namespace fxfuse {
 
-template void launch_broadcast_tail<Fp32Storage>(const TailProgram&, cudaStream_t);
-template void launch_broadcast_tail<Bf16Storage>(const TailProgram&, cudaStream_t);
-template void launch_broadcast_tail<Fp16Storage>(const TailProgram&, cudaStream_t);
+template void launch_broadcast_tail<Fp32Storage>(const TailProgram&, bool, cudaStream_t);
+template void launch_broadcast_tail<Bf16Storage>(const TailProgram&, bool, cudaStream_t);
+template void launch_broadcast_tail<Fp16Storage>(const TailProgram&, bool, cudaStream_t);
 
 }  // namespace fxfuse

@@ -9,9 +9,9 @@
 // shared memory (cp.async) while one computes; params are read by pointer as 16-byte vectors; one dispatch per
 // instruction: a range test sends unary ops to their switch, the rest switch on the op (binary ops then on the
 // operand kind, once; norms and reductions into the statistic code, inline for groups inside a warp, and with
-// one exchange of Chan-merged (mean, M2) pairs for groups across warps). In 16-bit storage on sm_90 the kernel
-// launches while the GEMM finishes and waits for it on the GPU (launches_early, interpreter.cuh). dev/NOTES.md
-// has the measurements of each choice (variants 31-49, 78).
+// one exchange of Chan-merged (mean, M2) pairs for groups across warps). The kernel may launch while the GEMM
+// finishes, and waits for it on the GPU (launch_kernel, interpreter.cuh). dev/NOTES.md has the measurements of
+// each choice (variants 31-49, 78).
 //
 // Four builds per storage type, chosen by the launcher: WHOLE_ROWS (features == TPR * kRowValues, as for 1024,
 // 2048, 4096 or 8192 features) compiles the chunk masks away; ALL_UNARY_OPS false leaves out the unary ops that
@@ -361,7 +361,7 @@ __device__ __forceinline__ void run_rows(const RowProgram& prog, RunProgram run_
   const int chunk_stride = prog.threads_per_row * VEC;  // elements between a thread's chunks
   Raw* output = static_cast<Raw*>(prog.output);
   allow_next_kernel_to_start();  // the broadcast tail's blocks take SMs as this persistent grid's leave
-  wait_for_previous_kernel();    // launched early (launches_early): the GEMM output is not there before
+  wait_for_previous_kernel();    // launched early (launch_kernel): the GEMM output is not there before
 
   uint4* staging = row_shared;
   const auto row_of = [&](int64_t group) { return group * rows_per_block + (threadIdx.x >> tpr_shift); };
@@ -439,7 +439,7 @@ void launch_fast_row_program(const RowProgram& prog, const RowLaunch& launch, cu
   const int64_t staging_bytes = int64_t{threads} * kRowValues * sizeof(typename S::Raw);
   const RowGrid grid = row_grid(kernel, threads, staging_bytes);
   const unsigned blocks = static_cast<unsigned>(std::min(sized.row_groups, grid.blocks));
-  launch_kernel(kernel, blocks, threads, staging_bytes, launches_early<S>(), stream, sized);
+  launch_kernel(kernel, blocks, threads, staging_bytes, launch.early, stream, sized);
 }
 
 }  // namespace fxfuse

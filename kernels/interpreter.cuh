@@ -11,8 +11,8 @@
 //                       example's (1, N, M, 1) output): one pass over the output, operands read by strides.
 //                       A tail of one binary op (FXFUSE_TAIL_CHAINS) gets a build with its op compiled in: the
 //                       min + bias example's tail takes 7.2 us in bf16 and 11.1 in fp32 that way, against 9.0
-//                       and 12.6 interpreted (dev/NOTES.md, variants 57-64). In 16-bit storage on sm_90 it
-//                       launches while the row kernel runs and waits for it on the GPU (launches_early).
+//                       and 12.6 interpreted (dev/NOTES.md, variants 57-64). It may launch while the row
+//                       kernel runs, and waits for it on the GPU (launch_kernel).
 //
 // Register layout of a row: thread t of the row's TPR threads holds CHUNKS chunks of VEC contiguous elements
 // (VEC = 16 bytes of storage); chunk c covers elements [(c * TPR + t) * VEC, + VEC), so each load and store
@@ -957,7 +957,7 @@ __global__ void __launch_bounds__(256) broadcast_tail_kernel(const __grid_consta
   constexpr int WARP_SPAN = 32 * ELEMS * UNITS;
   const uint32_t lane = threadIdx.x % 32;
   const uint32_t warps = gridDim.x * (blockDim.x / 32);
-  wait_for_previous_kernel();  // launched early (launches_early): the row phase's results are not there before
+  wait_for_previous_kernel();  // launched early (launch_kernel): the row phase's results are not there before
   for (uint32_t warp_first = (blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32) * WARP_SPAN; warp_first < prog.numel;
        warp_first += warps * WARP_SPAN) {
     const uint32_t first = warp_first + lane * ELEMS;
@@ -1008,23 +1008,10 @@ struct RowGrid {
   int64_t spare_shared_bytes;
 };
 
-// Whether the epilogue kernels of storage S launch as programmatic dependents of the stream's previous kernel:
-// they start while it finishes (the GEMM, or the row kernel before the broadcast tail) instead of after a launch
-// gap, and wait for it before reading (wait_for_previous_kernel). sm_90 and later, 16-bit storage only: bf16
-// op/GEMM 1.097 -> 1.090 (min_bias), 1.077 -> 1.069 (hardtanh); in fp32 IEEE the next call's SIMT GEMM then
-// loses the 1.6% it otherwise gains after the tail (2662 against 2705 us alone), so fp32 keeps plain launches
-// (variants 76-78, dev/NOTES.md).
-template <class S>
-bool launches_early() {
-  if (sizeof(typename S::Raw) != 2) return false;
-  int device = 0, major = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  return major >= 9;
-}
-
-// kernel<<<blocks, threads, shared_bytes, stream>>>(args...), checked; with `early`, as a programmatic dependent
-// launch (launches_early).
+// kernel<<<blocks, threads, shared_bytes, stream>>>(args...), checked; with `early` (sm_90 and later), as a
+// programmatic dependent launch: the kernel starts while the stream's previous kernel finishes instead of after a
+// launch gap, and must wait for it (wait_for_previous_kernel) before touching its output. The host decides
+// (epilogue_launches_early, gemm_epilogue.cpp).
 template <class... Params, class... Args>
 void launch_kernel(void (*kernel)(Params...), unsigned blocks, int threads, int64_t shared_bytes, bool early,
                    cudaStream_t stream, const Args&... args) {
@@ -1132,7 +1119,7 @@ TailKernel tail_chain_kernel(const TailProgram& prog) {
 // where the innermost dim is a multiple of VEC, else one element: an interpreted build of four runs took 60 of the
 // 86 s that nvcc spent on this file for sm_90a + sm_80, and timed no faster (variants 54, 55).
 template <class S>
-void launch_broadcast_tail(const TailProgram& prog, cudaStream_t stream) {
+void launch_broadcast_tail(const TailProgram& prog, bool early, cudaStream_t stream) {
   constexpr int vec = S::VEC;
   const uint32_t inner = prog.sizes[prog.ndim - 1];
   TailKernel kernel = inner % (32 * vec * kTailChainRuns) == 0 ? tail_chain_kernel<S>(prog) : nullptr;
@@ -1146,7 +1133,7 @@ void launch_broadcast_tail(const TailProgram& prog, cudaStream_t stream) {
   C10_CUDA_CHECK(cudaGetDevice(&device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((threads + 255) / 256, int64_t{sms} * 8));
-  launch_kernel(kernel, blocks, 256, 0, launches_early<S>(), stream, prog);
+  launch_kernel(kernel, blocks, 256, 0, early, stream, prog);
 }
 
 }  // namespace fxfuse

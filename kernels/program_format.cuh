@@ -219,6 +219,7 @@ struct BackwardProgram {
 struct RowLaunch {
   int rows_per_block;
   int64_t shared_bytes;  // GROUP_SHARED rows (the launcher adds the staging slots)
+  bool early;            // the fast kernel as a programmatic dependent of the GEMM (launch_kernel, interpreter.cuh)
 };
 
 // The kernels' storage types (interpreter.cuh): every tensor of one call has the same dtype.
@@ -286,7 +287,7 @@ void launch_row_program(const RowProgram& prog, const RowLaunch& launch, cudaStr
 template <class Storage>
 void launch_fast_row_program(const RowProgram& prog, const RowLaunch& launch, cudaStream_t stream);
 template <class Storage>
-void launch_broadcast_tail(const TailProgram& prog, cudaStream_t stream);
+void launch_broadcast_tail(const TailProgram& prog, bool early, cudaStream_t stream);
 // The backward row kernel (backward_interpreter.cuh): its persistent grid's block count for `threads` threads,
 // then the launch, whose GRAD_SUMMED outputs have blocks * rows_per_block partial rows.
 template <class Storage>
