@@ -360,8 +360,8 @@ __device__ __forceinline__ void run_rows(const RowProgram& prog, RunProgram run_
   const int rows_per_block = blockDim.x >> tpr_shift;
   const int chunk_stride = prog.threads_per_row * VEC;  // elements between a thread's chunks
   Raw* output = static_cast<Raw*>(prog.output);
-  allow_next_kernel_to_start();  // the broadcast tail's blocks take SMs as this persistent grid's leave
-  wait_for_previous_kernel();    // launched early (launch_kernel): the GEMM output is not there before
+  if (prog.tail_follows) allow_next_kernel_to_start();  // its blocks take SMs as this persistent grid's leave
+  wait_for_previous_kernel();  // launched early (launch_kernel): the GEMM output is not there before
 
   uint4* staging = row_shared;
   const auto row_of = [&](int64_t group) { return group * rows_per_block + (threadIdx.x >> tpr_shift); };

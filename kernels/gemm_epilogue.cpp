@@ -240,6 +240,7 @@ Outputs run_gemm_epilogue(const at::Tensor& x, const at::Tensor& weight, const s
     row.threads_per_row = layout->threads_per_row;
     row.group_shared_floats = static_cast<int32_t>(shared_bytes / sizeof(float));
     row.vector_io = features % vec == 0;
+    row.tail_follows = binding.has_tail;
   }
 
   at::Tensor output;

@@ -121,6 +121,7 @@ struct RowProgram {
   int32_t staging_vector;       // set by the launcher: the staging slots' first 16-byte vector in shared memory
   bool vector_io;           // features % VEC == 0: 16-byte loads and stores of the row
   bool output_per_row;      // write one value per row
+  bool tail_follows;        // a broadcast tail runs next: let it launch at once (allow_next_kernel_to_start)
 };
 
 // A tail operand: element i of the output reads ptr[sum_d coord_d(i) * strides[d]]. The host checks that
