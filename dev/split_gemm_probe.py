@@ -87,7 +87,8 @@ def gemm_kernels(fns: dict, x) -> list[str]:
             torch.cuda.synchronize()
         with tempfile.NamedTemporaryFile(suffix=".json") as trace:
             prof.export_chrome_trace(trace.name)
-            events = json.load(open(trace.name))["traceEvents"]
+            with open(trace.name) as exported:
+                events = json.load(exported)["traceEvents"]
         for e in events:
             if e.get("cat") == "kernel":
                 args = e.get("args", {})
