@@ -73,8 +73,8 @@ def check_backward(program, gemm_out, params, bound, caplog, fallback=None, need
     must log for declining the program (None: the kernel must run)."""
     needs = needs or [True] * (1 + len(params))
     if grad_output is None:
-        grad_output = torch.randn(result_shape(program, gemm_out, params), device="cuda").to(gemm_out.dtype)
-    poison_allocator(gemm_out.shape, dtype=gemm_out.dtype)
+        grad_output = torch.randn(result_shape(program, gemm_out, params), device=gemm_out.device).to(gemm_out.dtype)
+    poison_allocator(gemm_out.shape, dtype=gemm_out.dtype, device=gemm_out.device)
     caplog.clear()
     with caplog.at_level(logging.DEBUG, logger="fxfuse"):
         grads = torch.ops.fxfuse.epilogue_backward(grad_output, gemm_out, params, program, needs)

@@ -51,19 +51,19 @@ def bound_for(precision):
     return BOUNDS[precision] if precision in BOUNDS else BOUNDS[DTYPES[precision]]
 
 
-def linear_inputs(m, k, n, dtype, lead=None):
+def linear_inputs(m, k, n, dtype, lead=None, device="cuda"):
     bound = k ** -0.5
-    x = torch.randn(*(lead or (m,)), k, device="cuda").to(dtype)
-    weight = torch.empty(n, k, device="cuda").uniform_(-bound, bound).to(dtype)
-    bias = torch.empty(n, device="cuda").uniform_(-bound, bound).to(dtype)
+    x = torch.randn(*(lead or (m,)), k, device=device).to(dtype)
+    weight = torch.empty(n, k, device=device).uniform_(-bound, bound).to(dtype)
+    bias = torch.empty(n, device=device).uniform_(-bound, bound).to(dtype)
     return x, weight, bias
 
 
-def poison_allocator(*shapes, dtype):
+def poison_allocator(*shapes, dtype, device="cuda"):
     """Leaves NaN in the allocator's free blocks of these shapes, so an output the kernels allocate and fail to
     write shows up as NaN."""
     for shape in shapes:
-        torch.full(shape, float("nan"), device="cuda", dtype=dtype)
+        torch.full(shape, float("nan"), device=device, dtype=dtype)
 
 
 def reference_program(program, dtype):
@@ -106,10 +106,10 @@ def relative_error(got, ref):
 
 def run_and_check(program, x, weight, bias, params, bound, out_shape=None):
     gemm_shape = (*x.shape[:-1], weight.shape[0])
-    poison_allocator(out_shape or gemm_shape, dtype=x.dtype)
+    poison_allocator(out_shape or gemm_shape, dtype=x.dtype, device=x.device)
     out = torch.ops.fxfuse.gemm_epilogue(x, weight, bias, params, program)
     assert_close_to_reference(out, x, weight, bias, params, program, bound)
-    poison_allocator(out_shape or gemm_shape, gemm_shape, dtype=x.dtype)
+    poison_allocator(out_shape or gemm_shape, gemm_shape, dtype=x.dtype, device=x.device)
     outputs = torch.ops.fxfuse.gemm_epilogue_train(x, weight, bias, params, program)
     assert_training_outputs(outputs, x, weight, bias, params, program, bound)
     return out
@@ -477,9 +477,9 @@ def test_three_dim_input_with_layer_norm_runs_on_rows():
 
 # ---------------------------------------------------------------- the four examples at full size
 
-def example_params(name, n, dtype):
+def example_params(name, n, dtype, device="cuda"):
     def rand(*shape):
-        return torch.randn(*shape, device="cuda").to(dtype)
+        return torch.randn(*shape, device=device).to(dtype)
     if name == "linear_hardtanh_mish_groupnorm":
         return [rand(n) * 0.02, rand(n), rand(n)]
     if name == "linear_groupnorm_min_bias":
