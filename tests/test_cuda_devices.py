@@ -64,14 +64,18 @@ def test_runs_on_the_second_gpus_current_stream(precision):
     dtype = DTYPES[precision]
     x, weight, bias = linear_inputs(512, 1024, 8192, dtype, device=SECOND)
     params = example_params("linear_groupnorm_min_bias", 8192, dtype, device=SECOND)
+    torch.ops.fxfuse.gemm_epilogue(x, weight, bias, params, program)  # the first call on a device loads its
+    torch.cuda.synchronize(SECOND)  # kernels, which synchronizes: the order below must be the streams' alone
+    fresh = torch.randn_like(x)
     stream = torch.cuda.Stream(SECOND)
     stream.wait_stream(torch.cuda.current_stream(SECOND))
     with torch.cuda.stream(stream):  # makes cuda:1 current inside: leave it for cuda:0 before the call
-        torch.cuda._sleep(50_000_000)  # keeps the side stream busy: work on cuda:1's default stream would finish first
+        torch.cuda._sleep(50_000_000)  # x takes its fresh values late: a launch on another stream reads the old ones
+        x.copy_(fresh)
         with torch.cuda.device(FIRST):
             out = torch.ops.fxfuse.gemm_epilogue(x, weight, bias, params, program)
     torch.cuda.current_stream(SECOND).wait_stream(stream)
-    assert_close_to_reference(out, x, weight, bias, params, program, bound_for(precision))
+    assert_close_to_reference(out, fresh, weight, bias, params, program, bound_for(precision))
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"], indirect=True)

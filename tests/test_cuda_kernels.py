@@ -505,13 +505,17 @@ def test_runs_on_the_current_non_default_stream(precision):
     program = EXAMPLES["linear_groupnorm_min_bias"]
     x, weight, bias = linear_inputs(512, 1024, 2048, DTYPES[precision])
     params = example_params("linear_groupnorm_min_bias", 2048, DTYPES[precision])
+    torch.ops.fxfuse.gemm_epilogue(x, weight, bias, params, program)  # the first call on a device loads its
+    torch.cuda.synchronize()  # kernels, which synchronizes: the order below must be the streams' alone
+    fresh = torch.randn_like(x)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        torch.cuda._sleep(50_000_000)  # keeps the side stream busy: work on the default stream would finish first
+        torch.cuda._sleep(50_000_000)  # x takes its fresh values late: a launch on another stream reads the old ones
+        x.copy_(fresh)
         out = torch.ops.fxfuse.gemm_epilogue(x, weight, bias, params, program)
     torch.cuda.current_stream().wait_stream(stream)
-    assert_close_to_reference(out, x, weight, bias, params, program, bound_for(precision))
+    assert_close_to_reference(out, fresh, weight, bias, params, program, bound_for(precision))
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"], indirect=True)
