@@ -6,8 +6,9 @@ The sources (``*.cu``, ``*.cuh``, and the host-only ``*.cpp`` here) are compiled
 ``torch.utils.cpp_extension`` and ninja for the visible GPUs' architectures into a cache directory
 (``~/.cache/fxfuse``, or ``$FXFUSE_CACHE_DIR``) keyed by a hash of the sources, the torch and CUDA versions and
 the archs; later processes load the cached library with ``torch.ops.load_library``. A file lock keeps concurrent
-builders from corrupting the cache. Without a GPU or nvcc, ``load()`` logs one warning and returns False, and the
-op keeps running its reference implementation.
+builders from corrupting the cache. Without a GPU or nvcc, or when the build fails, ``load()`` logs one warning and
+returns False (from then on at once, without trying again in this process), and the op keeps running its reference
+implementation.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ SOURCE_DIR = Path(__file__).resolve().parent
 NVCC_FLAGS = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
 
 _loaded = False
-_warned = False
+_unavailable = False  # a load failed in this process: later calls return False at once
 
 
 def cache_root() -> Path:
@@ -61,11 +62,12 @@ def build_key(arch_flags: list[str]) -> str:
     return digest.hexdigest()[:16]
 
 
-def _warn_once(message: str) -> None:
-    global _warned
-    if not _warned:
-        _warned = True
-        logger.warning("fxfuse: %s; torch.ops.fxfuse.gemm_epilogue runs its reference implementation", message)
+def _unavailable_because(message: str) -> bool:
+    """Logs why the kernels cannot run (once: later calls of load() return before this) and returns False."""
+    global _unavailable
+    _unavailable = True
+    logger.warning("fxfuse: %s; torch.ops.fxfuse.gemm_epilogue runs its reference implementation", message)
+    return False
 
 
 def _find_nvcc() -> str | None:
@@ -81,16 +83,14 @@ def _find_nvcc() -> str | None:
 def load() -> bool:
     """Loads the kernels (building them once if needed); False where this machine cannot run them."""
     global _loaded
-    if _loaded:
-        return True
+    if _loaded or _unavailable:
+        return _loaded
     from fxfuse import library  # noqa: F401  (defines the fxfuse ops the kernels implement)
 
     if not torch.cuda.is_available() or torch.version.cuda is None:
-        _warn_once("no CUDA GPU")
-        return False
+        return _unavailable_because("no CUDA GPU")
     if _find_nvcc() is None:
-        _warn_once("nvcc not found, so the CUDA kernels cannot be built")
-        return False
+        return _unavailable_because("nvcc not found, so the CUDA kernels cannot be built")
 
     arch_flags = _arch_flags()
     key = build_key(arch_flags)
@@ -110,8 +110,7 @@ def load() -> bool:
                     return True
         torch.ops.load_library(str(build_dir / f"{name}.so"))
     except Exception as error:  # a failed build or load must not break the model: the reference still runs
-        _warn_once(f"the CUDA kernels failed to build or load ({error})")
-        return False
+        return _unavailable_because(f"the CUDA kernels failed to build or load ({error})")
     _loaded = True
     return True
 

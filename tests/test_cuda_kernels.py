@@ -596,6 +596,24 @@ def test_a_later_process_loads_the_cached_build_quickly():
     assert seconds < 2.0, f"loading the cached build took {seconds:.2f} s"
 
 
+def test_two_processes_building_at_once_share_one_build(tmp_path):
+    """Two processes load() into an empty cache at the same time: one builds (one line before, one with its time
+    after), the other waits on the file lock and loads that build; both then run the op on the GPU."""
+    script = ("import torch, fxfuse.kernels as k; assert k.load(); "
+              "x = torch.randn(5, 24, device='cuda'); w = torch.randn(40, 24, device='cuda'); "
+              "out = torch.ops.fxfuse.gemm_epilogue(x, w, None, [], 'relu(%0)'); "
+              "torch.testing.assert_close(out, torch.relu(x @ w.t())); print('ran the op')")
+    env = dict(os.environ, FXFUSE_CACHE_DIR=str(tmp_path))
+    processes = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, env=env) for _ in range(2)]
+    outputs = [process.communicate(timeout=900) for process in processes]
+    for process, (out, err) in zip(processes, outputs):
+        assert process.returncode == 0 and "ran the op" in out, err[-2000:]
+    builders = [out for out, _ in outputs if "fxfuse: building the CUDA kernels" in out]
+    assert len(builders) == 1, [out for out, _ in outputs]
+    assert "fxfuse: built the CUDA kernels in" in builders[0]
+
+
 def test_load_is_cheap_once_loaded():
     start = time.perf_counter()
     for _ in range(100):
