@@ -92,6 +92,16 @@ def test_calls_alternate_between_the_gpus(precision):
         assert_close_to_reference(out, x, weight, bias, params, program, bound_for(precision))
 
 
+def test_inputs_on_two_gpus_raise_as_eager_does():
+    x, weight, bias = linear_inputs(8, 16, 32, torch.float32, device=FIRST)
+    weight = weight.to(SECOND)
+    with pytest.raises(RuntimeError) as eager:
+        torch.nn.functional.linear(x, weight, bias)
+    with pytest.raises(RuntimeError) as fused:
+        torch.ops.fxfuse.gemm_epilogue(x, weight, bias, [], "relu(%0)")
+    assert str(eager.value).splitlines()[0] in str(fused.value)
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"], indirect=True)
 @pytest.mark.parametrize("name", ["linear_groupnorm_min_bias", "linear_hardtanh_mish_groupnorm"])
 def test_backward_kernel_on_the_second_gpu(name, precision, caplog):

@@ -574,6 +574,20 @@ def test_fallback_runs_the_reference_and_logs_why(case, op, caplog):
         assert_training_outputs(result, x, weight, bias, params, program, bound)
 
 
+def test_a_cpu_scalar_param_runs_the_reference_as_eager_takes_it(caplog):
+    """A 0-dim CPU tensor mixes with CUDA tensors in eager (as a constant of the model would): the op runs the
+    reference for it rather than raise."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    x, weight, bias = linear_inputs(64, 96, 128, torch.float32)
+    params, program = [torch.tensor(0.5)], "mul(%0,$0);relu(%1)"
+    with caplog.at_level(logging.DEBUG, logger="fxfuse"):
+        out = torch.ops.fxfuse.gemm_epilogue(x, weight, bias, params, program)
+    messages = [record.getMessage() for record in caplog.records]
+    assert any("runs the reference" in m and "devices differ" in m for m in messages), messages
+    assert out.device == x.device
+    assert_close_to_reference(out, x, weight, bias, params, program, BOUNDS["fp32"])
+
+
 def test_errors_are_eager_errors():
     x, weight, bias = linear_inputs(8, 16, 30, torch.float32)
     params = [torch.randn(30, device="cuda"), torch.randn(30, device="cuda")]
