@@ -943,10 +943,10 @@ __device__ __forceinline__ void run_param_op(const Instruction& ins, float (&cur
   }
 }
 
-// A warp evaluates 32 * UNITS runs of ELEMS consecutive outputs, contiguous: run u of lane l starts at
+// Each warp evaluates 32 * UNITS runs of ELEMS consecutive outputs, contiguous: run u of lane l starts at
 // (u * 32 + l) * ELEMS from the warp's first output, so every store instruction of the warp covers 32 * ELEMS
-// contiguous outputs. A lane computes its index once, loads its UNITS runs together and interprets the program
-// once over all of them. Runs never wrap a dim: the launcher checks that the innermost size is a multiple of
+// contiguous outputs; the launcher's grid has a warp for every such span (one pass over the output: variant 87).
+// A lane computes its index once, loads its UNITS runs together and interprets the program once over all of them. Runs never wrap a dim: the launcher checks that the innermost size is a multiple of
 // 32 * ELEMS * UNITS (of ELEMS where UNITS is 1).
 // CHAIN: the program's opcodes where it is a chain of FXFUSE_TAIL_CHAINS, compiled whole; empty: interpreted.
 // LOADS (TailLoads): how a chain's two operands vary along a run where the launcher knows it, so that each load
@@ -955,42 +955,38 @@ template <class S, int ELEMS, int UNITS, int LOADS = TAIL_LOADS_ANY, Opcode... C
 __global__ void __launch_bounds__(256) broadcast_tail_kernel(const __grid_constant__ TailProgram prog) {
   using Raw = typename S::Raw;
   constexpr int WARP_SPAN = 32 * ELEMS * UNITS;
-  const uint32_t lane = threadIdx.x % 32;
-  const uint32_t warps = gridDim.x * (blockDim.x / 32);
+  const uint32_t warp = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const uint32_t first = warp * WARP_SPAN + threadIdx.x % 32 * ELEMS;  // < numel + 256 * ELEMS * UNITS < 2^32
   wait_for_previous_kernel();  // launched early (launch_kernel): the row phase's results are not there before
-  for (uint32_t warp_first = (blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32) * WARP_SPAN; warp_first < prog.numel;
-       warp_first += warps * WARP_SPAN) {
-    const uint32_t first = warp_first + lane * ELEMS;
-    if (first >= prog.numel) continue;
-    TailReader<S, ELEMS> reader{prog, {}};
-    uint32_t rest = first;
-    for (int d = prog.ndim - 1; d >= 0; --d) {
-      const uint32_t outer = d > 0 ? prog.divisors[d].divide(rest) : 0;  // rest < sizes[0]: no division
-      const uint32_t coord = rest - outer * prog.sizes[d];
-      rest = outer;
+  if (first >= prog.numel) return;
+  TailReader<S, ELEMS> reader{prog, {}};
+  uint32_t rest = first;
+  for (int d = prog.ndim - 1; d >= 0; --d) {
+    const uint32_t outer = d > 0 ? prog.divisors[d].divide(rest) : 0;  // rest < sizes[0]: no division
+    const uint32_t coord = rest - outer * prog.sizes[d];
+    rest = outer;
 #pragma unroll
-      for (int op = 0; op < kMaxTailOperands; ++op)
-        if (op < prog.num_operands) reader.offset[op] += coord * prog.operands[op].strides[d];
-    }
-    float cur[UNITS][ELEMS];
-    float slots[kMaxSlots][UNITS][ELEMS];
+    for (int op = 0; op < kMaxTailOperands; ++op)
+      if (op < prog.num_operands) reader.offset[op] += coord * prog.operands[op].strides[d];
+  }
+  float cur[UNITS][ELEMS];
+  float slots[kMaxSlots][UNITS][ELEMS];
 #pragma unroll
-    for (int run = 0; run < UNITS; ++run) reader.template load_as<LOADS>(0, run, cur[run]);
-    if constexpr (sizeof...(CHAIN) == 0) {
-      for (int pc = 0; pc < prog.num_instructions; ++pc)
-        run_pointwise<UNITS, ELEMS, kMaxSlots>(prog.code[pc], cur, slots, reader);
+  for (int run = 0; run < UNITS; ++run) reader.template load_as<LOADS>(0, run, cur[run]);
+  if constexpr (sizeof...(CHAIN) == 0) {
+    for (int pc = 0; pc < prog.num_instructions; ++pc)
+      run_pointwise<UNITS, ELEMS, kMaxSlots>(prog.code[pc], cur, slots, reader);
+  } else {
+    int pc = 0;
+    (run_param_op<CHAIN, LOADS>(prog.code[pc++], cur, reader), ...);
+  }
+#pragma unroll
+  for (int run = 0; run < UNITS; ++run) {
+    Raw* out = static_cast<Raw*>(prog.output) + first + run * 32 * ELEMS;
+    if constexpr (ELEMS == S::VEC) {
+      store_vector<S>(out, cur[run]);
     } else {
-      int pc = 0;
-      (run_param_op<CHAIN, LOADS>(prog.code[pc++], cur, reader), ...);
-    }
-#pragma unroll
-    for (int run = 0; run < UNITS; ++run) {
-      Raw* out = static_cast<Raw*>(prog.output) + first + run * 32 * ELEMS;
-      if constexpr (ELEMS == S::VEC) {
-        store_vector<S>(out, cur[run]);
-      } else {
-        out[0] = S::from_float(cur[run][0]);
-      }
+      out[0] = S::from_float(cur[run][0]);
     }
   }
 }
@@ -1118,8 +1114,8 @@ TailKernel tail_chain_kernel(const TailProgram& prog) {
 // min + bias example's tail: 16 MB of bf16 output). Other programs are interpreted with one 16-byte run a thread
 // where the innermost dim is a multiple of VEC, else one element: an interpreted build of four runs took 60 of the
 // 86 s that nvcc spent on this file for sm_90a + sm_80, and timed no faster (variants 54, 55). The grid covers the
-// output in one pass (the kernel's grid-stride loop runs once): min_bias's tail 10.6 -> 10.4 us in fp32 and tf32
-// against a grid capped at 8 blocks an SM (variant 87).
+// output in one pass: min_bias's tail 10.6 -> 10.4 us in fp32 and tf32 against a grid-stride loop over at most 8
+// blocks an SM (variant 87).
 template <class S>
 void launch_broadcast_tail(const TailProgram& prog, bool early, cudaStream_t stream) {
   constexpr int vec = S::VEC;
