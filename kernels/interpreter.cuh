@@ -946,8 +946,9 @@ __device__ __forceinline__ void run_param_op(const Instruction& ins, float (&cur
 // Each warp evaluates 32 * UNITS runs of ELEMS consecutive outputs, contiguous: run u of lane l starts at
 // (u * 32 + l) * ELEMS from the warp's first output, so every store instruction of the warp covers 32 * ELEMS
 // contiguous outputs; the launcher's grid has a warp for every such span (one pass over the output: variant 87).
-// A lane computes its index once, loads its UNITS runs together and interprets the program once over all of them. Runs never wrap a dim: the launcher checks that the innermost size is a multiple of
-// 32 * ELEMS * UNITS (of ELEMS where UNITS is 1).
+// A lane computes its index once, loads its UNITS runs together and interprets the program once over all of them.
+// Runs never wrap a dim: the launcher checks that the innermost size is a multiple of 32 * ELEMS * UNITS (of ELEMS
+// where UNITS is 1).
 // CHAIN: the program's opcodes where it is a chain of FXFUSE_TAIL_CHAINS, compiled whole; empty: interpreted.
 // LOADS (TailLoads): how a chain's two operands vary along a run where the launcher knows it, so that each load
 // has one path instead of three (the min + bias tail: 7.2 -> 6.7 us bf16, 11.0 -> 10.7 fp32, variant 69).
