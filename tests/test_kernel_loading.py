@@ -1,7 +1,7 @@
 """fxfuse.kernels.load() where the kernels cannot run: without a GPU, without nvcc, or when the build fails, it says
 so once and returns False, then returns False at once on later calls (no second warning, no second build), and
-writes no completed build into the cache, so that the fused op keeps its reference implementation. Runs anywhere: a machine's own GPU and nvcc are hidden from
-fxfuse.kernels, and the loader's state is restored afterwards.
+writes no completed build into the cache, so that the fused op keeps its reference implementation. Runs anywhere:
+a machine's own GPU and nvcc are hidden from fxfuse.kernels, and the loader's state is restored afterwards.
 """
 import logging
 
