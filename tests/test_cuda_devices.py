@@ -7,14 +7,13 @@ sizes are per device (interpreter.cuh's row_grid), so the long-rows case runs on
 between the two GPUs without a synchronization between them. Results are judged as tests/test_cuda_kernels.py and
 tests/test_cuda_backward.py judge them (a float64 reference, NaN-poisoned outputs).
 """
-import logging
-
 import pytest
 import torch
 
 from test_cuda_backward import check_backward
-from test_cuda_kernels import (DTYPES, EXAMPLES, assert_close_to_reference, bound_for, example_params,  # noqa: F401
-                               linear_inputs, loaded_kernels, precision, run_and_check)
+from test_cuda_kernels import (DTYPES, EXAMPLES, assert_close_to_reference, bound_for,  # noqa: F401
+                               check_long_rows, check_runs_on_the_current_stream, example_params, linear_inputs,
+                               loaded_kernels, precision, run_and_check)
 from test_cuda_training import _example_on, _fused
 from fxfuse.testing import assert_gradients_match
 
@@ -48,34 +47,12 @@ def test_each_example_runs_on_its_inputs_gpu(name, precision):
 def test_long_rows_take_their_shared_memory_on_the_second_gpu(precision, caplog):
     """12000 features: 64 KB of fp32 staging and 750-wide groups in shared memory, past the 48 KB a launch gets
     without the opt-in, which is per device."""
-    dtype = DTYPES[precision]
-    n = 12000
-    x, weight, bias = linear_inputs(300, 129, n, dtype, device=SECOND)
-    params = [torch.randn(n, device=SECOND).to(dtype) for _ in range(3)]
-    program = "add(%0,$0);clamp(%1,-1.0,1.0);mish(%2);group_norm(%3,$1,$2,16,1e-05)"
-    with caplog.at_level(logging.DEBUG, logger="fxfuse"):
-        run_and_check(program, x, weight, bias, params, bound_for(precision))
-    assert not caplog.records, [r.getMessage() for r in caplog.records]  # the kernels ran, not the fallback
+    check_long_rows(12000, precision, caplog, device=SECOND)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"], indirect=True)
 def test_runs_on_the_second_gpus_current_stream(precision):
-    program = EXAMPLES["linear_groupnorm_min_bias"]
-    dtype = DTYPES[precision]
-    x, weight, bias = linear_inputs(512, 1024, 8192, dtype, device=SECOND)
-    params = example_params("linear_groupnorm_min_bias", 8192, dtype, device=SECOND)
-    torch.ops.fxfuse.gemm_epilogue(x, weight, bias, params, program)  # the first call on a device loads its
-    torch.cuda.synchronize(SECOND)  # kernels, which synchronizes: the order below must be the streams' alone
-    fresh = torch.randn_like(x)
-    stream = torch.cuda.Stream(SECOND)
-    stream.wait_stream(torch.cuda.current_stream(SECOND))
-    with torch.cuda.stream(stream):  # makes cuda:1 current inside: leave it for cuda:0 before the call
-        torch.cuda._sleep(50_000_000)  # x takes its fresh values late: a launch on another stream reads the old ones
-        x.copy_(fresh)
-        with torch.cuda.device(FIRST):
-            out = torch.ops.fxfuse.gemm_epilogue(x, weight, bias, params, program)
-    torch.cuda.current_stream(SECOND).wait_stream(stream)
-    assert_close_to_reference(out, fresh, weight, bias, params, program, bound_for(precision))
+    check_runs_on_the_current_stream(precision, device=SECOND, n=8192, current_device=FIRST)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"], indirect=True)

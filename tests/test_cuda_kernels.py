@@ -378,9 +378,13 @@ def test_every_tail_chain_runs_its_own_kernel(precision):
 def test_long_rows_take_more_than_48_kb_of_shared_memory(n, precision, caplog):
     """1024 threads a row: fp32 staging alone is 64 KB, past the 48 KB a launch gets without asking; at 12000
     features the 750-wide groups also take the shared-memory group path (47 KB more)."""
+    check_long_rows(n, precision, caplog)
+
+
+def check_long_rows(n, precision, caplog, device="cuda"):
     dtype = DTYPES[precision]
-    x, weight, bias = linear_inputs(300, 129, n, dtype)
-    params = [torch.randn(n, device="cuda").to(dtype) for _ in range(3)]
+    x, weight, bias = linear_inputs(300, 129, n, dtype, device=device)
+    params = [torch.randn(n, device=device).to(dtype) for _ in range(3)]
     program = "add(%0,$0);clamp(%1,-1.0,1.0);mish(%2);group_norm(%3,$1,$2,16,1e-05)"
     with caplog.at_level(logging.DEBUG, logger="fxfuse"):
         run_and_check(program, x, weight, bias, params, bound_for(precision))
@@ -502,19 +506,26 @@ def test_examples_at_full_size(name, precision):
 # bf16: the epilogue kernels launch early on sm_90 (programmatic dependent launch), fp32 plainly.
 @pytest.mark.parametrize("precision", ["fp32", "bf16"], indirect=True)
 def test_runs_on_the_current_non_default_stream(precision):
+    check_runs_on_the_current_stream(precision)
+
+
+def check_runs_on_the_current_stream(precision, device="cuda", n=2048, current_device=None):
+    """min_bias on a side stream of the inputs' device whose x takes its fresh values late, called with
+    `current_device` current (default: the inputs' own)."""
     program = EXAMPLES["linear_groupnorm_min_bias"]
-    x, weight, bias = linear_inputs(512, 1024, 2048, DTYPES[precision])
-    params = example_params("linear_groupnorm_min_bias", 2048, DTYPES[precision])
+    x, weight, bias = linear_inputs(512, 1024, n, DTYPES[precision], device=device)
+    params = example_params("linear_groupnorm_min_bias", n, DTYPES[precision], device=device)
     torch.ops.fxfuse.gemm_epilogue(x, weight, bias, params, program)  # the first call on a device loads its
-    torch.cuda.synchronize()  # kernels, which synchronizes: the order below must be the streams' alone
+    torch.cuda.synchronize(x.device)  # kernels, which synchronizes: the order below must be the streams' alone
     fresh = torch.randn_like(x)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
+    stream = torch.cuda.Stream(x.device)
+    stream.wait_stream(torch.cuda.current_stream(x.device))
+    with torch.cuda.stream(stream):  # also makes x's device current
         torch.cuda._sleep(50_000_000)  # x takes its fresh values late: a launch on another stream reads the old ones
         x.copy_(fresh)
-        out = torch.ops.fxfuse.gemm_epilogue(x, weight, bias, params, program)
-    torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.device(current_device if current_device is not None else x.device):
+            out = torch.ops.fxfuse.gemm_epilogue(x, weight, bias, params, program)
+    torch.cuda.current_stream(x.device).wait_stream(stream)
     assert_close_to_reference(out, fresh, weight, bias, params, program, bound_for(precision))
 
 
