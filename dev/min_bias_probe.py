@@ -11,7 +11,8 @@ in L2 as it does in the fused op:
   row kernel's RowProgram has them);
 - the tail: out[n][b] = min[b] + bias[n] as a (N, B) tensor, one 16-byte store a thread, into y's memory (by grid
   size) or into a fresh tensor; torch's fill_ of y's memory and torch's broadcast add, as yardsticks of the write alone;
-- both hand-written phases as two kernels, and as one persistent kernel with a grid-wide barrier between them,
+- both hand-written phases as two kernels, as one persistent kernel with a grid-wide barrier between them, and as
+  one persistent kernel that writes each wave of rows' outputs while it reduces the next wave (wave_min_bias),
   each with the whole call's time over the GEMM alone's (fxfuse.bench's timing, which counts the launch gaps);
 - the fused op's own row kernel and tail, for comparison.
 """
@@ -403,6 +404,87 @@ void fused(torch::Tensor y, torch::Tensor weight, torch::Tensor bias, torch::Ten
                                                       tail_bias.data_ptr<float>(), o, vectors, counter, target);
 }
 
+// Both phases in one persistent kernel of G blocks, overlapped by waves: in wave i each block reduces row i * G +
+// blockIdx.x (its min into mins[]) and announces it on `arrived` (counting across calls from `base`); from wave 1
+// on it then waits for the whole previous wave and writes its share of that wave's output, out[n][(i-1) G, i G)
+// for its N / G values of n: G contiguous values per n (whole 128-byte lines for G = 256). After the last wave,
+// the same for it. rows % G == 0. The output cannot be y's memory (later waves still read y).
+__device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+template <bool HALF>
+__global__ void __launch_bounds__(512, 2) wave_min_bias(const uint4* data, int rows, int tpr, const uint4* weight,
+                                                        const uint4* bias, float* mins, const float* tail_bias,
+                                                        uint4* out, unsigned* arrived, unsigned base) {
+  const int blocks = gridDim.x, waves = rows / blocks, features = tpr * 16;
+  const int per_block = features / blocks, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int values = blocks / 32;  // per lane and n: 8 for G = 256
+  const auto write_wave = [&](int wave) {
+    if (threadIdx.x == 0) {
+      const unsigned target = base + (wave + 1) * blocks;
+      while (static_cast<int>(load_acquire(arrived) - target) < 0) {
+      }
+      __threadfence();
+    }
+    __syncthreads();
+    float m[8];
+    const float* wave_mins = mins + wave * blocks + lane * values;
+    const float4 lo = __ldcg(reinterpret_cast<const float4*>(wave_mins));
+    const float4 hi = __ldcg(reinterpret_cast<const float4*>(wave_mins) + 1);
+    m[0] = lo.x, m[1] = lo.y, m[2] = lo.z, m[3] = lo.w, m[4] = hi.x, m[5] = hi.y, m[6] = hi.z, m[7] = hi.w;
+    for (int k = warp; k < per_block; k += blockDim.x / 32) {
+      const int n = blockIdx.x * per_block + k;
+      const float shift = tail_bias[n];
+      if (HALF) {
+        unsigned w[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const unsigned a = __float_as_uint(m[2 * j] + shift), b = __float_as_uint(m[2 * j + 1] + shift);
+          w[j] = (a >> 16) | (b & 0xffff0000u);
+        }
+        out[((long)n * rows + wave * blocks + lane * values) / 8] = make_uint4(w[0], w[1], w[2], w[3]);
+      } else {
+        uint4* dst = out + ((long)n * rows + wave * blocks + lane * values) / 4;
+        dst[0] = make_uint4(__float_as_uint(m[0] + shift), __float_as_uint(m[1] + shift),
+                            __float_as_uint(m[2] + shift), __float_as_uint(m[3] + shift));
+        dst[1] = make_uint4(__float_as_uint(m[4] + shift), __float_as_uint(m[5] + shift),
+                            __float_as_uint(m[6] + shift), __float_as_uint(m[7] + shift));
+      }
+    }
+  };
+  for (int wave = 0; wave < waves; ++wave) {
+    const int row = wave * blocks + blockIdx.x;
+    block_min(warp_norm_min<HALF>(data, row, tpr, weight, bias), mins + row);
+    if (threadIdx.x == 0) {
+      __threadfence();
+      atomicAdd(arrived, 1u);
+    }
+    if (wave > 0) write_wave(wave - 1);
+  }
+  write_wave(waves - 1);
+}
+
+void waved(torch::Tensor y, torch::Tensor weight, torch::Tensor bias, torch::Tensor mins, torch::Tensor tail_bias,
+           torch::Tensor out, torch::Tensor arrived, int64_t blocks, int64_t base) {
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const int rows = y.size(0), tpr = static_cast<int>(y.size(1) / 16);
+  const auto* data = reinterpret_cast<const uint4*>(y.data_ptr());
+  const auto* w = reinterpret_cast<const uint4*>(weight.data_ptr());
+  const auto* b = reinterpret_cast<const uint4*>(bias.data_ptr());
+  auto* o = reinterpret_cast<uint4*>(out.data_ptr());
+  auto* counter = reinterpret_cast<unsigned*>(arrived.data_ptr());
+  if (y.element_size() == 2)
+    wave_min_bias<true><<<blocks, tpr, 0, stream>>>(data, rows, tpr, w, b, mins.data_ptr<float>(),
+                                                    tail_bias.data_ptr<float>(), o, counter, base);
+  else
+    wave_min_bias<false><<<blocks, tpr, 0, stream>>>(data, rows, tpr, w, b, mins.data_ptr<float>(),
+                                                     tail_bias.data_ptr<float>(), o, counter, base);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 void tail(torch::Tensor mins, torch::Tensor bias, torch::Tensor out, int64_t blocks) {
   auto stream = at::cuda::getCurrentCUDAStream();
   const unsigned vectors = out.numel() * out.element_size() / 16;
@@ -424,10 +506,13 @@ void row_phase(torch::Tensor y, torch::Tensor weight, torch::Tensor bias, torch:
 void tail(torch::Tensor mins, torch::Tensor bias, torch::Tensor out, int64_t blocks);
 void fused(torch::Tensor y, torch::Tensor weight, torch::Tensor bias, torch::Tensor mins, torch::Tensor tail_bias,
            torch::Tensor arrived, int64_t blocks, int64_t target);
+void waved(torch::Tensor y, torch::Tensor weight, torch::Tensor bias, torch::Tensor mins, torch::Tensor tail_bias,
+           torch::Tensor out, torch::Tensor arrived, int64_t blocks, int64_t base);
 """
 
 dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[sys.argv[1] if len(sys.argv) > 1 else "bf16"]
-probe = load_inline("min_bias_probe", CPP, cuda_sources=SOURCE, functions=["row_phase", "tail", "fused", "tiled", "clustered"],
+probe = load_inline("min_bias_probe", CPP, cuda_sources=SOURCE,
+                    functions=["row_phase", "tail", "fused", "tiled", "clustered", "waved"],
                     extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"])
 rows, features = 1024, 8192
 x = torch.randn(rows, features, device="cuda", dtype=dtype)
@@ -507,7 +592,17 @@ def check(label, op):
     assert error < 2 ** -7, (label, error)
 
 
-one_kernel = [("two kernels", two), ("one kernel, grid-wide barrier", fused_call)]
+wave_arrived = torch.zeros(1, dtype=torch.int32, device="cuda")
+wave_calls = [0]
+
+
+def wave_call(y, blocks=256):
+    probe.waved(y, norm_weight, norm_bias, mins, tail_bias, fresh, wave_arrived, blocks, rows * wave_calls[0])
+    wave_calls[0] += 1
+
+
+one_kernel = [("two kernels", two), ("one kernel, grid-wide barrier", fused_call),
+              ("one kernel, waves of 256 rows overlapping the output's writes", wave_call)]
 half = dtype == torch.bfloat16
 for tile_rows, rows_at_once in ((8, 2), (16, 2)) if half else ((4, 1), (8, 2)):
     one_kernel.append((f"one kernel, tiles of {tile_rows} rows, {rows_at_once} at once",
@@ -515,7 +610,7 @@ for tile_rows, rows_at_once in ((8, 2), (16, 2)) if half else ((4, 1), (8, 2)):
 for cluster_size, discard in ((4, False), (8, False), (16, False), (8, True)) if half else ((2, False), (4, False), (8, False), (4, True)):
     one_kernel.append((f"one kernel, clusters of {cluster_size}" + ", discard" * discard,
                        lambda y, c=cluster_size, d=discard: probe.clustered(y, norm_weight, norm_bias, tail_bias, fresh, c, d)))
-for label, op in list(one_kernel[2:]):
+for label, op in list(one_kernel[2:]):  # the probes that write `fresh`
     try:
         check(label, op)
     except (AssertionError, RuntimeError) as error:
@@ -523,7 +618,8 @@ for label, op in list(one_kernel[2:]):
         one_kernel.remove((label, op))
 
 for label, op in one_kernel:
-    show(f"both phases, {label}", op, ("norm_min", "outer_add", "fused_min_bias", "tiled_min_bias", "cluster_min_bias"))
+    show(f"both phases, {label}", op, ("norm_min", "outer_add", "fused_min_bias", "tiled_min_bias", "cluster_min_bias",
+                                               "wave_min_bias"))
     print(f"{'  call / GEMM alone':58s} {time_ms(after_gemm(op), [[]], runs=50) / gemm_ms:6.3f}")
 load_kernels("current")
 fused = lambda: torch.ops.fxfuse.gemm_epilogue(x, w, b, params, program)

@@ -17,13 +17,16 @@
 // 2048, 4096 or 8192 features) compiles the chunk masks away; ALL_UNARY_OPS false leaves out the unary ops that
 // call libdevice (CallsLibm), whose code slowed every other program by 4-12% (variant 42). On whole rows, the
 // programs of FXFUSE_ROW_CHAINS (program_format.cuh) run chain_row_kernel instead: the same row loop with each
-// instruction's op fixed at compile time (fast_op), no dispatch (11-25% less time than interpreted, variant 57).
+// instruction's op fixed at compile time (fast_op), no dispatch (11-25% less time than interpreted, variant 57);
+// a chain's last whole-row amin folds by atomics in shared memory, without barriers (fold_row_min).
 //
 // Limits (fits_fast_row_kernel says whether a program qualifies; the launcher in gemm_epilogue.cpp falls back to
 // row_program_kernel otherwise): rows of whole 16-byte vectors, no slots, no batch_norm, groups that the lanes
 // hold (GROUP_ACROSS_LANES), every param a contiguous per-feature vector (row_stride 0, feature_stride 1, 16-byte
 // aligned).
 #pragma once
+
+#include <climits>
 
 #include "interpreter.cuh"
 
@@ -343,24 +346,80 @@ __device__ __forceinline__ void fast_instruction(const Ctx& ctx, const Instructi
   }
 }
 
+// ================================================================ a last whole-row min without barriers
+
+// A chain whose last op is a whole-row amin (min + bias's), with one value per row out and rows across warps, runs
+// that op without the exchange between warps and its two barriers: each warp folds its part to one integer key
+// (one redux), its first lane merges the key into the row's slot in shared memory by an atomic min, and the row's
+// last warp to arrive stores the row's min. The slots, one per row the block takes, are set once at the start; the
+// launcher keeps the exchange where they would not fit. min_bias's row kernel: 12.0 -> 11.2 us fp32, 9.9 -> 9.2
+// bf16 (variants 89 and 91).
+constexpr int kRowMinSlots = 512;
+
+struct RowMinSlot {
+  int key;
+  int arrivals;
+};
+
+template <bool MIN_BY_ATOMICS>
+struct RowMinSlots {
+  RowMinSlot slot[kRowMinSlots];
+};
+template <>
+struct RowMinSlots<false> {};
+
+// An integer key in the order of the floats (a negative float's magnitude bits flipped), NaN the lowest key, as
+// amin propagates NaN (MinOp). key_value inverts it; the NaN key, INT_MIN, reads back as a NaN.
+constexpr int kNanKey = INT_MIN;
+__device__ __forceinline__ int min_key(float v) {
+  const int bits = __float_as_int(v);
+  return v != v ? kNanKey : bits ^ ((bits >> 31) & INT_MAX);
+}
+__device__ __forceinline__ float key_value(int key) { return __int_as_float(key ^ ((key >> 31) & INT_MAX)); }
+
+// This warp's part of its row's min into the row's slot; the row's last warp to arrive stores the row's min.
+template <class S, typename Ctx, int CHUNKS, int VEC>
+__device__ __forceinline__ void fold_row_min(const Ctx& ctx, const Values<CHUNKS, VEC>& cur, RowMinSlot& slot,
+                                             typename S::Raw* out) {
+  float part[CHUNKS];
+  chunk_extrema<MinOp>(ctx, cur, part);
+  float thread_min = part[0];
+#pragma unroll
+  for (int c = 1; c < CHUNKS; ++c) thread_min = MinOp::apply(thread_min, part[c]);
+  const int warp_key = __reduce_min_sync(0xffffffffu, min_key(thread_min));
+  if (threadIdx.x % 32 != 0) return;
+  atomicMin_block(&slot.key, warp_key);
+  __threadfence_block();  // the key before the arrival
+  if (atomicAdd_block(&slot.arrivals, 1) == ctx.prog.threads_per_row / 32 - 1) {
+    __threadfence_block();
+    *out = S::from_float(key_value(atomicAdd_block(&slot.key, 0)));
+  }
+}
+
 // ================================================================ the kernels
 
 // The row loop of both kernels. Block: (blockDim.x / TPR) rows of TPR threads; each block takes every gridDim.x-th
 // group of rows. Staging slot c of thread t is vector c * blockDim.x + t of the dynamic shared memory (stage_row,
-// unstage_chunks). run_program(ctx, cur, shared) applies the program to one row's values.
-template <class S, bool WHOLE_ROWS, class RunProgram>
+// unstage_chunks). run_program(ctx, cur, shared) applies the program to one row's values; MIN_BY_ATOMICS: all but
+// its last op, a whole-row amin, which fold_row_min then runs and stores.
+template <class S, bool WHOLE_ROWS, bool MIN_BY_ATOMICS = false, class RunProgram>
 __device__ __forceinline__ void run_rows(const RowProgram& prog, RunProgram run_program) {
   constexpr int VEC = S::VEC;
   constexpr int CHUNKS = kRowValues / VEC;
   using Ctx = FastRowContext<S, CHUNKS, WHOLE_ROWS>;
   using Raw = typename S::Raw;
   __shared__ FastRowShared<CHUNKS> shared;
+  __shared__ RowMinSlots<MIN_BY_ATOMICS> row_mins;
   const int tpr_shift = __popc(prog.threads_per_row - 1);  // TPR is a power of 2
   const int lane = threadIdx.x & (prog.threads_per_row - 1);
   const int rows_per_block = blockDim.x >> tpr_shift;
   const int chunk_stride = prog.threads_per_row * VEC;  // elements between a thread's chunks
   Raw* output = static_cast<Raw*>(prog.output);
   if (prog.tail_follows) allow_next_kernel_to_start();  // its blocks take SMs as this persistent grid's leave
+  if constexpr (MIN_BY_ATOMICS) {
+    for (int i = threadIdx.x; i < prog.row_min_slots; i += blockDim.x) row_mins.slot[i] = {INT_MAX, 0};
+    __syncthreads();
+  }
   wait_for_previous_kernel();  // launched early (launch_kernel): the GEMM output is not there before
 
   uint4* staging = row_shared;
@@ -369,7 +428,8 @@ __device__ __forceinline__ void run_rows(const RowProgram& prog, RunProgram run_
   if (blockIdx.x < prog.row_groups)
     stage_row<S, CHUNKS, WHOLE_ROWS>(prog, clamped(row_of(blockIdx.x)), lane, staging);
 
-  for (int64_t group = blockIdx.x; group < prog.row_groups; group += gridDim.x) {
+  int iteration = 0;
+  for (int64_t group = blockIdx.x; group < prog.row_groups; group += gridDim.x, ++iteration) {
     const int64_t row = row_of(group);
     const Ctx ctx{{prog, clamped(row), lane}};
     float cur[CHUNKS][VEC];
@@ -381,6 +441,10 @@ __device__ __forceinline__ void run_rows(const RowProgram& prog, RunProgram run_
     run_program(ctx, cur, shared);
 
     if (row >= prog.rows) continue;
+    if constexpr (MIN_BY_ATOMICS) {
+      fold_row_min<S>(ctx, cur, row_mins.slot[iteration * rows_per_block + (threadIdx.x >> tpr_shift)], output + row);
+      continue;
+    }
     if (prog.output_per_row) {
       if (lane == 0) output[row] = S::from_float(cur[0][0]);
       continue;
@@ -404,22 +468,43 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1) fast_row_kernel(const __gri
 // A chain of FXFUSE_ROW_CHAINS (program_format.cuh) on whole rows, compiled whole: instruction pc's op is OPS[pc],
 // so there is no dispatch and no switch join between the ops; attributes, params and group shapes still come from
 // the program.
-template <class S, Opcode... OPS>
+// MIN_BY_ATOMICS: the last op, a whole-row amin, runs as fold_row_min (the launcher sets row_min_slots).
+template <class S, bool MIN_BY_ATOMICS, Opcode... OPS>
 __global__ void __launch_bounds__(kMaxRowThreads, 1) chain_row_kernel(const __grid_constant__ RowProgram prog) {
-  run_rows<S, true>(prog, [&](const auto& ctx, auto& cur, auto& shared) {
-    int pc = 0;
-    (fast_op<S, true, OPS>(ctx, prog.code[pc++], cur, shared), ...);
-  });
+  constexpr Opcode kOps[] = {OPS...};
+  constexpr int kLast = sizeof...(OPS) - 1;
+  if constexpr (MIN_BY_ATOMICS) {
+    static_assert(kOps[kLast] == OP_amin, "the build that folds a last amin by atomics");
+    run_rows<S, true, true>(prog, [&](const auto& ctx, auto& cur, auto& shared) {
+      int pc = 0;
+      (((pc < kLast ? fast_op<S, true, OPS>(ctx, prog.code[pc], cur, shared) : void()), ++pc), ...);
+    });
+  } else {
+    run_rows<S, true>(prog, [&](const auto& ctx, auto& cur, auto& shared) {
+      int pc = 0;
+      (fast_op<S, true, OPS>(ctx, prog.code[pc++], cur, shared), ...);
+    });
+  }
 }
 
 // ================================================================ the launcher (declared in program_format.cuh)
 
 using RowKernel = void (*)(RowProgram);
 
-// The chain kernel of this program's opcode sequence, or nullptr.
-template <class S>
+// The chain's build that folds its last amin by atomics, or nullptr where the last op is not an amin.
+template <class S, Opcode... OPS>
+RowKernel row_min_build() {
+  constexpr Opcode kOps[] = {OPS...};
+  if constexpr (kOps[sizeof...(OPS) - 1] == OP_amin) return chain_row_kernel<S, true, OPS...>;
+  else return nullptr;
+}
+
+// The chain kernel of this program's opcode sequence (MIN_BY_ATOMICS: its row_min_build), or nullptr.
+template <class S, bool MIN_BY_ATOMICS>
 RowKernel chain_kernel(const RowProgram& prog) {
-#define FXFUSE_CHAIN_ENTRY(...) chain_entry<RowKernel, __VA_ARGS__>(chain_row_kernel<S, __VA_ARGS__>),
+#define FXFUSE_CHAIN_ENTRY(...)                                                                                  \
+  chain_entry<RowKernel, __VA_ARGS__>(MIN_BY_ATOMICS ? row_min_build<S, __VA_ARGS__>()                           \
+                                                     : chain_row_kernel<S, false, __VA_ARGS__>),
   static const ChainEntry<RowKernel> chains[] = {FXFUSE_ROW_CHAINS(FXFUSE_CHAIN_ENTRY)};
 #undef FXFUSE_CHAIN_ENTRY
   return find_chain(chains, prog.code, prog.num_instructions);
@@ -429,7 +514,8 @@ template <class S>
 void launch_fast_row_program(const RowProgram& prog, const RowLaunch& launch, cudaStream_t stream) {
   const bool whole_rows = prog.features == prog.threads_per_row * kRowValues;
   const bool all_unary_ops = uses_libm_unary_op(prog);
-  RowKernel kernel = whole_rows ? chain_kernel<S>(prog) : nullptr;
+  RowKernel kernel = whole_rows ? chain_kernel<S, false>(prog) : nullptr;
+  const bool chained = kernel != nullptr;
   if (kernel == nullptr)
     kernel = whole_rows ? (all_unary_ops ? fast_row_kernel<S, true, true> : fast_row_kernel<S, true, false>)
                         : (all_unary_ops ? fast_row_kernel<S, false, true> : fast_row_kernel<S, false, false>);
@@ -439,6 +525,17 @@ void launch_fast_row_program(const RowProgram& prog, const RowLaunch& launch, cu
   const int64_t staging_bytes = int64_t{threads} * kRowValues * sizeof(typename S::Raw);
   const RowGrid grid = row_grid(kernel, threads, staging_bytes);
   const unsigned blocks = static_cast<unsigned>(std::min(sized.row_groups, grid.blocks));
+  const int64_t slots = (sized.row_groups + blocks - 1) / blocks * launch.rows_per_block;  // rows a block takes
+  const bool rows_across_warps = prog.threads_per_row > 32;
+  RowKernel min_by_atomics = nullptr;
+  if (chained && prog.output_per_row && rows_across_warps && slots <= kRowMinSlots)
+    min_by_atomics = chain_kernel<S, true>(prog);
+  sized.row_min_slots = 0;
+  if (min_by_atomics != nullptr) {
+    row_grid(min_by_atomics, threads, staging_bytes);  // its shared-memory attribute; the chain's occupancy
+    kernel = min_by_atomics;
+    sized.row_min_slots = static_cast<int32_t>(slots);
+  }
   launch_kernel(kernel, blocks, threads, staging_bytes, launch.early, stream, sized);
 }
 

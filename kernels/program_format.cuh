@@ -119,6 +119,7 @@ struct RowProgram {
   int32_t threads_per_row;  // TPR, a power of 2 from 32
   int32_t group_shared_floats;  // dynamic shared memory of the GROUP_SHARED rows, before the staged params
   int32_t staging_vector;       // set by the launcher: the staging slots' first 16-byte vector in shared memory
+  int32_t row_min_slots;        // set by the launcher: > 0, a chain's last whole-row amin folds by atomics (fast_row)
   bool vector_io;           // features % VEC == 0: 16-byte loads and stores of the row
   bool output_per_row;      // write one value per row
   bool tail_follows;        // a broadcast tail runs next: let it launch at once (allow_next_kernel_to_start)

@@ -121,7 +121,7 @@ def assert_training_outputs(outputs, x, weight, bias, params, program, bound):
     out, gemm_out = outputs
     assert_close_to_reference(out, x, weight, bias, params, program, bound)
     assert not torch._C._is_alias_of(out, gemm_out), f"{program}: the training op's outputs share memory"
-    torch.testing.assert_close(gemm_out, torch.nn.functional.linear(x, weight, bias))
+    torch.testing.assert_close(gemm_out, torch.nn.functional.linear(x, weight, bias), equal_nan=True)
 
 
 def test_every_vocabulary_op_is_supported():
@@ -257,9 +257,9 @@ def test_rows_that_are_not_whole_vectors(n, precision):
 ROW_KERNEL_CHOICES = [  # (program, n, param kinds, the row kernel that must run)
     # the fast kernel: "fast", then "whole" (rows of TPR * 16 values) or "part", then "all" (every unary op compiled
     # in) or "light" (none that calls libdevice)
-    # "chain": a program of FXFUSE_ROW_CHAINS on whole rows, compiled whole
+    # "chain": a program of FXFUSE_ROW_CHAINS on whole rows, compiled whole ("min by atomics": its last amin)
     ("add(%0,$0);clamp(%1,-1.0,1.0);mish(%2);group_norm(%3,$1,$2,16,1e-05)", 1024, ["feature", "affine"], "chain"),
-    ("group_norm(%0,$0,$1,512,1e-05);amin(%1,1,True)", 8192, ["affine"], "chain"),  # whole-row reduction
+    ("group_norm(%0,$0,$1,512,1e-05);amin(%1,1,True)", 8192, ["affine"], "chain, min by atomics"),
     ("group_norm(%0,$0,$1,1,1e-05);clamp(%1,-2.0,2.0)", 1000, ["affine"], "fast part light"),  # a chain, part rows
     ("group_norm(%0,$0,$1,16,1e-05);clamp(%1,-2.0,2.0);relu(%2)", 1024, ["affine"], "fast whole light"),  # longer
     ("gelu(%0,'none');layer_norm(%1,$0,$1,1e-05)", 1000, ["affine"], "fast part all"),
@@ -274,10 +274,10 @@ ROW_KERNEL_CHOICES = [  # (program, n, param kinds, the row kernel that must run
 
 
 def row_kernel_kind(name: str) -> str:
-    """"chain", "fast whole light" and the like for the fast kernel (its template flags), else "general" or
-    "lean"."""
+    """"chain" ("chain, min by atomics" for its build that folds a last amin by atomics), "fast whole light" and
+    the like for the fast kernel (its template flags), else "general" or "lean"."""
     if "chain_row_kernel" in name:
-        return "chain"
+        return "chain, min by atomics" if ", true," in name else "chain"
     if "fast_row_kernel" in name:
         _storage, whole_rows, all_unary_ops = name.split("<")[1].split(">")[0].split(", ")
         rows = "whole" if whole_rows == "true" else "part"
@@ -296,6 +296,36 @@ def test_the_fastest_row_kernel_that_takes_the_program_runs(case, precision):
     assert row_kernel_kind(launched) == expected, launched
     out = torch.ops.fxfuse.gemm_epilogue(x, weight, bias, params, program)
     assert_close_to_reference(out, x, weight, bias, params, program, bound_for(precision))
+
+
+def rows_past_the_row_min_slots(threads_per_block):
+    """More rows than the 512 slots a block has for a chain's last amin (kRowMinSlots, fast_row.cuh) can take
+    with as many blocks as the GPU can hold at once."""
+    properties = torch.cuda.get_device_properties(torch.cuda.current_device())
+    most_blocks = properties.multi_processor_count * properties.max_threads_per_multi_processor // threads_per_block
+    return 512 * most_blocks + 1
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"], indirect=True)
+@pytest.mark.parametrize("rows", ["one", "a thousand", "past the slots"])
+def test_a_chains_last_row_min_folds_by_atomics_while_its_slots_last(rows, precision):
+    """group_norm then a whole-row amin, rows across two warps: each warp's min merges into its row's slot in shared
+    memory by an atomic min, a NaN anywhere in the row winning as in torch's amin, and the row's last warp stores
+    it. One row leaves the block's other three rows idle; past the block's 512 slots the exchange between warps
+    runs instead."""
+    dtype = DTYPES[precision]
+    n = 1024  # 64 threads a row, 4 rows a block of 256 threads
+    m = {"one": 1, "a thousand": 1000, "past the slots": rows_past_the_row_min_slots(threads_per_block=256)}[rows]
+    program = "group_norm(%0,$0,$1,16,1e-05);amin(%1,1,True)"
+    x, weight, bias = linear_inputs(m, 16, n, dtype)
+    nan_row = m // 2
+    x[nan_row, 3] = float("nan")  # the row's GEMM output, its groups and its min are NaN
+    # the second warp's features with the larger biases: the warps' mins differ, of both signs
+    params = [torch.rand(n, device="cuda").to(dtype) * 0.1, torch.linspace(-1.0, 3.0, n, device="cuda").to(dtype)]
+    expected = "chain" if rows == "past the slots" else "chain, min by atomics"
+    assert row_kernel_kind(launched_kernel(program, x, weight, bias, params)) == expected
+    out = run_and_check(program, x, weight, bias, params, bound_for(precision))
+    assert torch.isnan(out[nan_row]).all() and torch.isnan(out).sum() == 1, "only the NaN row's min is NaN"
 
 
 def tail_loads(name: str) -> int:
@@ -347,10 +377,11 @@ def test_every_chain_runs_its_own_kernel(precision):
         variants = max([len(EPILOGUE_OPS[name].samples) for name in chain] + [4])
         for variant in range(variants):
             program, kinds = chain_program(chain, variant)
+            expected = "chain, min by atomics" if chain[-1] == "amin" else "chain"
             for n in (1024, 8192):
                 x, weight, bias = linear_inputs(37, 65, n, dtype)
                 params = [p for kind in kinds for p in make_params(kind, 37, n, dtype)]
-                assert row_kernel_kind(launched_kernel(program, x, weight, bias, params)) == "chain", program
+                assert row_kernel_kind(launched_kernel(program, x, weight, bias, params)) == expected, program
                 run_and_check(program, x, weight, bias, params, bound_for(precision))
 
 
