@@ -15,15 +15,26 @@ from profile_epilogue import PROGRAMS
 ELEMENTS = 1024 * 8192
 
 
-def executed_by_address(path):
-    """[{address: (warp instructions executed, SASS text)}] per kernel, in profile order."""
-    kernels, header_length = [], 0
+def listing_rows(path):
+    """Each row of the source page, with whether it opens the next kernel's listing: a kernel lists its source
+    files in path order, so a file path that does not sort after the previous one starts the next kernel (the
+    first file differs between kernels: <cmath> only where libm is called)."""
+    previous = None
     for row in csv.reader(gzip.open(path, "rt")):
         if not row:
             continue
+        opens_kernel = row[0] == "File Path" and (previous is None or row[1] <= previous)
         if row[0] == "File Path":
-            if not kernels or row[1].endswith("/cmath"):  # each kernel's listing starts with <cmath>
-                kernels.append({})
+            previous = row[1]
+        yield row, opens_kernel
+
+
+def executed_by_address(path):
+    """[{address: (warp instructions executed, SASS text)}] per kernel, in profile order."""
+    kernels, header_length = [], 0
+    for row, opens_kernel in listing_rows(path):
+        if opens_kernel:
+            kernels.append({})
         elif row[0] == "Line No":
             header_length = len(row)
         elif row[0] == "" and header_length:

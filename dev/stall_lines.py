@@ -5,23 +5,19 @@ Prints, per profiled kernel (the example programs in profile_epilogue.py's order
 by opcode, then the TOP instructions with the most samples and the executed count of each.
 """
 import collections
-import csv
-import gzip
 import sys
 
+from instruction_mix import listing_rows
 from profile_epilogue import PROGRAMS
 
 
 def sass_rows(path):
     """[[{column: value} per SASS instruction]] per kernel, each address once."""
     kernels, header, seen = [], None, set()
-    for row in csv.reader(gzip.open(path, "rt")):
-        if not row:
-            continue
-        if row[0] == "File Path":
-            if not kernels or row[1].endswith("/cmath"):  # each kernel's listing starts with <cmath>
-                kernels.append([])
-                seen = set()
+    for row, opens_kernel in listing_rows(path):
+        if opens_kernel:
+            kernels.append([])
+            seen = set()
         elif row[0] == "Line No":
             header = row[2:]
         elif row[0] == "" and header:
