@@ -320,7 +320,7 @@ def test_a_chains_last_row_min_folds_by_atomics_while_its_slots_last(rows, preci
     x, weight, bias = linear_inputs(m, 16, n, dtype)
     nan_row = m // 2
     x[nan_row, 3] = float("nan")  # the row's GEMM output, its groups and its min are NaN
-    # the second warp's features with the larger biases: the warps' mins differ, of both signs
+    # biases rising along the row: each warp's part starts higher than the previous one's, so the warps' mins differ
     params = [torch.rand(n, device="cuda").to(dtype) * 0.1, torch.linspace(-1.0, 3.0, n, device="cuda").to(dtype)]
     expected = "chain" if rows == "past the slots" else "chain, min by atomics"
     assert row_kernel_kind(launched_kernel(program, x, weight, bias, params)) == expected
