@@ -128,6 +128,10 @@ def _propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+    if any(isinstance(p, nn.parameter.UninitializedParameter) for p in gm.parameters()):
+        # A lazy module would initialize its parameters on the fake tensors, leaving the model's own on "meta".
+        logger.info("fxfuse: no shapes (the model has uninitialized lazy parameters); matching without them")
+        return
     try:
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         with _fake_buffers(gm, mode):
@@ -143,6 +147,7 @@ def _children_inputs(model: nn.Module, example_inputs) -> dict[str, tuple]:
     seen: dict[str, tuple] = {}
     hooks = [child.register_forward_pre_hook(lambda mod, args, name=name: seen.setdefault(name, args))
              for name, child in model.named_children()]
+    buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}  # the run must not change the model
     try:
         with torch.no_grad():
             model(*example_inputs)
@@ -151,6 +156,10 @@ def _children_inputs(model: nn.Module, example_inputs) -> dict[str, tuple]:
     finally:
         for hook in hooks:
             hook.remove()
+        with torch.no_grad():
+            for name, buffer in model.named_buffers():
+                if name in buffers:
+                    buffer.copy_(buffers[name])
     return seen
 
 
@@ -204,21 +213,29 @@ def _load_kernels_for(example_inputs, model: nn.Module) -> None:
         load()
 
 
+def _as_inputs(example_inputs) -> tuple | None:
+    """The example inputs as a tuple: a single tensor is one input (not a sequence of its rows)."""
+    if example_inputs is None:
+        return None
+    return (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
+
+
 def optimize(model: nn.Module, example_inputs: Sequence[Any] | None = None, **options) -> nn.Module:
     """Return `model` with every fusible GEMM-epilogue chain replaced by one fxfuse op.
 
     The result computes what `model` computes (within the dtype's tolerance) and shares its parameters.
-    `example_inputs` (optional) lets the matcher prove more. Options: ``load_kernels`` (default True) builds
-    or loads the CUDA kernels when the model or its inputs are on a GPU. The report of what was fused is
-    kept as ``result.fxfuse_report``.
+    `example_inputs` (optional: the forward's arguments, or one tensor) lets the matcher prove more. Options:
+    ``load_kernels`` (default True) builds or loads the CUDA kernels when the model or its inputs are on a GPU.
+    The report of what was fused is kept as ``result.fxfuse_report``.
     """
     unknown = set(options) - {"load_kernels"}
     if unknown:
         raise TypeError(f"fxfuse.optimize() got unexpected options {sorted(unknown)}")
+    example_inputs = _as_inputs(example_inputs)
     if options.get("load_kernels", True):
         _load_kernels_for(example_inputs, model)
     report = Report()
-    optimized = _optimize(model, tuple(example_inputs) if example_inputs is not None else None, "", report)
+    optimized = _optimize(model, example_inputs, "", report)
     optimized.fxfuse_report = report
     if isinstance(optimized, fx.GraphModule):
         # GraphModule's deepcopy rebuilds the module and keeps, of its plain attributes, only these.
@@ -231,5 +248,5 @@ def optimize(model: nn.Module, example_inputs: Sequence[Any] | None = None, **op
 def explain(model: nn.Module, example_inputs: Sequence[Any] | None = None) -> Report:
     """Report what `optimize(model, example_inputs)` would fuse, and why anything near a GEMM would not."""
     report = Report()
-    _optimize(model, tuple(example_inputs) if example_inputs is not None else None, "", report)
+    _optimize(model, _as_inputs(example_inputs), "", report)
     return report

@@ -113,9 +113,15 @@ def pin_traced_scalars(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> int
     graph reads with ``.item()``. The fused op's program needs the number itself, so each read is replaced
     by its value at compile time, and an in-graph check (``_assert_async``) makes a later call with another
     value fail loudly instead of computing with a stale one. Only reads that feed ops of the fxfuse
-    vocabulary are pinned. Returns how many were.
+    vocabulary are pinned, and only of module attributes: a float the caller passes (`forward(x, scale)`) changes
+    from call to call and stays a traced value (the op that reads it is then not fused). Returns how many were.
     """
+    from torch._dynamo.source import LocalSource
+
     from .canonicalize import canonical_of
+
+    def passed_by_caller(placeholder):
+        return isinstance(getattr(placeholder.meta.get("grapharg"), "source", None), LocalSource)
 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     value_of = dict(zip(placeholders, example_inputs))
@@ -125,6 +131,8 @@ def pin_traced_scalars(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> int
             continue
         source = value_of[node.args[0]]
         if not (_is_real_tensor(source) and source.dim() == 0 and source.is_floating_point()):
+            continue
+        if passed_by_caller(node.args[0]):
             continue
         if not node.users or any(canonical_of(user, gm) is None for user in node.users):
             continue

@@ -3,7 +3,8 @@
 Entry point: ``canonicalize(gm) -> dict[fx.Node, Canonical]``.
 
 Spellings differ in form (module, functional, torch.*, tensor method, operator, in-place), in argument
-passing (positional, keyword, defaults) and in name (aliases such as ``torch.clip``). This module is the only
+passing (positional, keyword, NumPy's keywords such as ``axis=``, defaults) and in name (aliases such as
+``torch.clip``). This module is the only
 place that knows about them: the matcher sees canonical ops named after ``fxfuse.epilogue`` entries, plus
 ``linear`` for the GEMM anchor. The graph itself is left as it is, except that uses of a tensor after an
 in-place op on it are redirected to the in-place node (which returns that same tensor), so that data flow
@@ -16,9 +17,12 @@ module's tensors as ``Attr`` operands.
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import inspect
 import math
+import numbers
 import operator
+import types
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -165,6 +169,20 @@ def _celu(a, inplace):
     return Canonical("elu", (a["input"],), attrs, inplace_of=_inplace(a, inplace))
 
 
+def _plain_scalar(operand):
+    """A scalar operand as the Python number the program text writes (NumPy's float64 and int64 spell
+    themselves `np.float64(...)`); anything else as it is."""
+    if isinstance(operand, (fx.Node, Attr, torch.Tensor)) or operand is None:
+        return operand
+    if isinstance(operand, numbers.Integral):
+        return int(operand)
+    if isinstance(operand, numbers.Real):
+        return float(operand)
+    if isinstance(operand, numbers.Complex):
+        raise NotFusible(f"the complex scalar {operand!r} makes the result complex")
+    return operand
+
+
 def _number(value, what):
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise NotFusible(f"{what} is not a Python number")
@@ -201,7 +219,10 @@ def _clamp_max(a, inplace):
 @spelling("(input, min_val=-1.0, max_val=1.0, inplace=False)", functions=(F.hardtanh,),
           inplace_functions=(F.hardtanh_,))
 def _hardtanh(a, inplace):
-    return _clamp(a, inplace, a["min_val"], a["max_val"])
+    low, high = a["min_val"], a["max_val"]
+    if isinstance(low, (int, float)) and isinstance(high, (int, float)) and low > high:
+        raise NotFusible(f"hardtanh's min_val {low} is greater than its max_val {high} (eager raises)")
+    return _clamp(a, inplace, low, high)
 
 
 @spelling("(input, inplace=False)", functions=(F.relu6,))
@@ -272,6 +293,13 @@ def _last_dim_of(node: fx.Node) -> list[fx.Node] | None:
     return None
 
 
+def _normalized_size(normalized_shape) -> dict:
+    """`normalized_shape` given as a number: the matcher checks it against the features (`normalized_size`), as
+    eager raises for any other size."""
+    items = [normalized_shape] if isinstance(normalized_shape, (int, fx.Node)) else list(normalized_shape)
+    return {"normalized_size": int(items[0])} if len(items) == 1 and isinstance(items[0], int) else {}
+
+
 def _last_dim_only(normalized_shape, input, what) -> tuple[fx.Node, ...]:
     """Check that `normalized_shape` is the features alone. Return the nodes that compute it from `input`
     (`input.shape[-1:]`), which the norm then stands for, so that they don't keep `input` alive."""
@@ -288,17 +316,31 @@ def _last_dim_only(normalized_shape, input, what) -> tuple[fx.Node, ...]:
     return ()
 
 
+@spelling("(input, num_groups, weight=None, bias=None, eps=1e-05, cudnn_enabled=True)",
+          functions=(torch.group_norm,))
+def _torch_group_norm(a, inplace):
+    return _group_norm(a, inplace)
+
+
+@spelling("(input, normalized_shape, weight=None, bias=None, eps=1e-05, cudnn_enable=True)",
+          functions=(torch.layer_norm,))
+def _torch_layer_norm(a, inplace):
+    return _layer_norm(a, inplace)
+
+
 @spelling("(input, normalized_shape, weight=None, bias=None, eps=1e-05)", functions=(F.layer_norm,))
 def _layer_norm(a, inplace):
     covers = _last_dim_only(a["normalized_shape"], a["input"], "layer_norm")
-    return Canonical("layer_norm", (a["input"], a["weight"], a["bias"]), {"eps": float(a["eps"])}, covers=covers)
+    attrs = {"eps": float(a["eps"]), **_normalized_size(a["normalized_shape"])}
+    return Canonical("layer_norm", (a["input"], a["weight"], a["bias"]), attrs, covers=covers)
 
 
-@spelling("(input, normalized_shape, weight=None, eps=None)", functions=(F.rms_norm,))
+@spelling("(input, normalized_shape, weight=None, eps=None)", functions=(F.rms_norm, *_optional("rms_norm")))
 def _rms_norm(a, inplace):
     covers = _last_dim_only(a["normalized_shape"], a["input"], "rms_norm")
     eps = None if a["eps"] is None else float(a["eps"])
-    return Canonical("rms_norm", (a["input"], a["weight"]), {"eps": eps}, covers=covers)
+    return Canonical("rms_norm", (a["input"], a["weight"]), {"eps": eps, **_normalized_size(a["normalized_shape"])},
+                     covers=covers)
 
 
 @spelling("(input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1, eps=1e-05)",
@@ -308,6 +350,12 @@ def _batch_norm(a, inplace):
         raise NotFusible("train-mode batch_norm normalizes over the batch, not within a row")
     return Canonical("batch_norm", (a["input"], a["running_mean"], a["running_var"], a["weight"], a["bias"]),
                      {"eps": float(a["eps"])})
+
+
+@spelling("(input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled)",
+          functions=(torch.batch_norm,))
+def _torch_batch_norm(a, inplace):
+    return _batch_norm(a, inplace)
 
 
 @spelling("(input, running_mean=None, running_var=None, weight=None, bias=None, use_input_stats=True, "
@@ -322,16 +370,27 @@ def _instance_norm(a, inplace):
     return Canonical("layer_norm", (a["input"], None, None), {"eps": float(a["eps"]), "rank_needed": (3,)})
 
 
+def _dtype_needed(dtype) -> dict:
+    """`dtype=` of a softmax or a reduction: fusible where it is the value's own dtype (a no-op), which the
+    matcher checks against the GEMM's (`dtype_needed`)."""
+    if dtype is None:
+        return {}
+    if not isinstance(dtype, torch.dtype):
+        raise NotFusible(f"dtype={dtype!r} is not a torch.dtype")
+    return {"dtype_needed": dtype}
+
+
 def _softmax_like(op):
-    @spelling("(input, dim=None, _stacklevel=3, dtype=None)",
-              functions=(getattr(F, op), getattr(torch, op), getattr(torch.special, op)), methods=(op,))
     def handler(a, inplace):
         if a["dim"] is None:
             raise NotFusible(f"{op} without an explicit dim")
-        if a["dtype"] is not None:
-            raise NotFusible(f"{op} with dtype={a['dtype']}")
-        return Canonical(op, (a["input"],), {"dim": int(a["dim"])})
-    return handler
+        return Canonical(op, (a["input"],), {"dim": int(a["dim"]), **_dtype_needed(a["dtype"])})
+
+    # F.softmax has a `_stacklevel` before dtype; torch.softmax, torch.special.softmax and the method do not
+    # (`torch.softmax(h, -1, torch.float64)` passes the dtype by position).
+    spelling("(input, dim=None, _stacklevel=3, dtype=None)", functions=(getattr(F, op),))(handler)
+    spelling("(input, dim, dtype=None)", functions=(getattr(torch, op), getattr(torch.special, op)),
+             methods=(op,))(handler)
 
 
 _softmax_like("softmax")
@@ -353,9 +412,8 @@ def _single_dim(dim, op):
 def _reduction(op, fns, methods, signature="(input, dim=None, keepdim=False, dtype=None)"):
     @spelling(signature, functions=fns, methods=methods)
     def handler(a, inplace):
-        if a.get("dtype") is not None:
-            raise NotFusible(f"{op} with dtype={a['dtype']}")
-        return Canonical(op, (a["input"],), {"dim": _single_dim(a["dim"], op), "keepdim": bool(a["keepdim"])})
+        attrs = {"dim": _single_dim(a["dim"], op), "keepdim": bool(a["keepdim"]), **_dtype_needed(a.get("dtype"))}
+        return Canonical(op, (a["input"],), attrs)
     return handler
 
 
@@ -384,8 +442,9 @@ def _values_of(node: fx.Node) -> Canonical | None:
     name = _reduction_name(source)
     if name is None:
         return None
+    sig = _FUNCTIONS[torch.max][0]
     try:
-        bound = _FUNCTIONS[torch.max][0].bind(*source.args, **source.kwargs)
+        bound = sig.bind(*source.args, **_from_numpy_keywords(source.kwargs, sig))
     except TypeError:
         return None
     bound.apply_defaults()
@@ -414,11 +473,43 @@ def _reduction_name(node: fx.Node) -> str | None:
 
 # ---------------------------------------------------------------- dropout and the GEMM anchor
 
+def _dropout_identity(a, training, name, ranks=None):
+    """Dropout that returns its input: p = 0, or not training. Eager checks p (and for dropout1d-3d the rank)
+    even then, so the matcher keeps those checks (`rank_needed`)."""
+    p = a["p"]
+    if not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
+        raise NotFusible(f"{name}'s p={p!r} is not a probability (eager raises)")
+    if training and p > 0:
+        raise NotFusible(f"{name}(p={p}) in training mode is random")
+    return Canonical(IDENTITY, (a["input"],), {} if ranks is None else {"rank_needed": ranks})
+
+
 @spelling("(input, p=0.5, training=True, inplace=False)", functions=(F.dropout,))
 def _dropout(a, inplace):
-    if a["training"] and a["p"] > 0:
-        raise NotFusible(f"dropout(p={a['p']}) in training mode is random")
-    return Canonical(IDENTITY, (a["input"],))
+    return _dropout_identity(a, a["training"], "dropout")
+
+
+@spelling("(input, p=0.5, training=False, inplace=False)", functions=(F.alpha_dropout, F.feature_alpha_dropout))
+def _alpha_dropout(a, inplace):
+    return _dropout_identity(a, a["training"], "alpha_dropout")
+
+
+def _feature_dropout(function, ranks):
+    @spelling("(input, p=0.5, training=True, inplace=False)", functions=(function,))
+    def handler(a, inplace):
+        return _dropout_identity(a, a["training"], function.__name__, ranks)
+    return handler
+
+
+_feature_dropout(F.dropout1d, (2, 3))
+_feature_dropout(F.dropout2d, (3, 4))
+_feature_dropout(F.dropout3d, (4, 5))
+
+
+@spelling("(input, p, train)", functions=(torch.dropout, torch.alpha_dropout, torch.feature_dropout,
+                                          torch.feature_alpha_dropout))
+def _torch_dropout(a, inplace):
+    return _dropout_identity(a, a["train"], "dropout")
 
 
 @spelling("(input, weight, bias=None)", functions=(F.linear, torch._C._nn.linear))
@@ -443,13 +534,23 @@ def _transposed_weight(other):
     return None
 
 
-@spelling("(input, other)", functions=(torch.matmul, operator.matmul, torch.mm), methods=("matmul", "mm"))
-def _matmul(a, inplace):
+def _matmul(a, matrix_input):
+    attrs = {"matrix_input": True} if matrix_input else {}
     weight = _transposed_weight(a["other"])
     if weight is not None:
         covers = (a["other"],) if len(a["other"].users) == 1 else ()
-        return Canonical(LINEAR, (a["input"], weight, None), {"transpose_weight": False}, covers=covers)
-    return Canonical(LINEAR, (a["input"], a["other"], None), {"transpose_weight": True})
+        return Canonical(LINEAR, (a["input"], weight, None), {"transpose_weight": False, **attrs}, covers=covers)
+    return Canonical(LINEAR, (a["input"], a["other"], None), {"transpose_weight": True, **attrs})
+
+
+@spelling("(input, other)", functions=(torch.matmul, operator.matmul), methods=("matmul",))
+def _matmul_any_rank(a, inplace):
+    return _matmul(a, matrix_input=False)
+
+
+@spelling("(input, other)", functions=(torch.mm,), methods=("mm",))
+def _mm(a, inplace):
+    return _matmul(a, matrix_input=True)  # torch.mm takes matrices only
 
 
 @spelling("(input, mat1, mat2, beta=1, alpha=1)", functions=(torch.addmm,))
@@ -457,12 +558,12 @@ def _addmm(a, inplace):
     if a["beta"] != 1 or a["alpha"] != 1:  # a GEMM all the same: reported as a GEMM that can't be fused
         return Canonical(LINEAR, (a["mat1"], a["mat2"], None), {"transpose_weight": True},
                          problem="addmm with beta or alpha other than 1")
+    attrs = {"addmm_bias": a["input"], "matrix_input": True}
     weight = _transposed_weight(a["mat2"])
     if weight is None:
-        return Canonical(LINEAR, (a["mat1"], a["mat2"], None), {"transpose_weight": True, "addmm_bias": a["input"]})
+        return Canonical(LINEAR, (a["mat1"], a["mat2"], None), {"transpose_weight": True, **attrs})
     covers = (a["mat2"],) if len(a["mat2"].users) == 1 else ()
-    return Canonical(LINEAR, (a["mat1"], weight, None), {"transpose_weight": False, "addmm_bias": a["input"]},
-                     covers=covers)
+    return Canonical(LINEAR, (a["mat1"], weight, None), {"transpose_weight": False, **attrs}, covers=covers)
 
 
 # ---------------------------------------------------------------- modules, as their functional equivalent
@@ -473,7 +574,8 @@ def _module_tensor(path: str, module: nn.Module, name: str):
 
 _KNOWN_MODULES = (nn.Linear, nn.ReLU, nn.SiLU, nn.Mish, nn.Hardswish, nn.Hardsigmoid, nn.SELU, nn.ReLU6, nn.Sigmoid,
                   nn.Tanh, nn.Identity, nn.Hardtanh, nn.LeakyReLU, nn.ELU, nn.CELU, nn.GELU, nn.Softplus, nn.Softmax,
-                  nn.LogSoftmax, nn.Dropout, nn.GroupNorm, nn.LayerNorm, nn.BatchNorm1d, nn.InstanceNorm1d,
+                  nn.LogSoftmax, nn.Dropout, nn.AlphaDropout, nn.FeatureAlphaDropout, nn.Dropout1d, nn.Dropout2d,
+                  nn.Dropout3d, nn.GroupNorm, nn.LayerNorm, nn.BatchNorm1d, nn.InstanceNorm1d,
                   *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))
 
 
@@ -510,8 +612,10 @@ def _module_call(module: nn.Module, path: str):
         return F.softplus, (module.beta, module.threshold), {}
     if kind in (nn.Softmax, nn.LogSoftmax):
         return {nn.Softmax: F.softmax, nn.LogSoftmax: F.log_softmax}[kind], (module.dim,), {}
-    if kind is nn.Dropout:
-        return F.dropout, (module.p, module.training), {}
+    if kind in (nn.Dropout, nn.AlphaDropout, nn.FeatureAlphaDropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d):
+        fn = {nn.Dropout: F.dropout, nn.AlphaDropout: F.alpha_dropout, nn.FeatureAlphaDropout: F.feature_alpha_dropout,
+              nn.Dropout1d: F.dropout1d, nn.Dropout2d: F.dropout2d, nn.Dropout3d: F.dropout3d}[kind]
+        return fn, (module.p, module.training), {}
     if kind is nn.GroupNorm:
         return F.group_norm, (module.num_groups, T("weight"), T("bias"), module.eps), {}
     if kind is nn.LayerNorm:
@@ -536,6 +640,19 @@ def _instance_norm_module(node, module) -> Canonical:
 
 
 # ---------------------------------------------------------------- canonicalize a node, a graph
+
+# torch's C++ argument parser (torch.* functions and Tensor methods, not Python functions such as F.softmax) also
+# takes NumPy's names for these parameters: torch.sum(h, axis=1, keepdims=True).
+_NUMPY_KEYWORDS = {"axis": "dim", "keepdims": "keepdim", "x": "input", "a": "input", "x1": "input", "x2": "other"}
+
+
+def _from_numpy_keywords(kwargs: dict, sig: inspect.Signature) -> dict:
+    """`kwargs` with NumPy's names replaced by the signature's own."""
+    def name(key):
+        torch_name = _NUMPY_KEYWORDS.get(key)
+        return torch_name if torch_name in sig.parameters and key not in sig.parameters else key
+    return {name(key): value for key, value in kwargs.items()}
+
 
 def canonical_of(node: fx.Node, gm: fx.GraphModule) -> Canonical | None:
     """The canonical op this node spells, or None if it is no op of the vocabulary."""
@@ -568,6 +685,8 @@ def canonical_of(node: fx.Node, gm: fx.GraphModule) -> Canonical | None:
         return None
     sig, handler = entry
     inplace = target in _INPLACE_FUNCTIONS or (node.op == "call_method" and target.endswith("_"))
+    if node.op == "call_method" or (node.op == "call_function" and isinstance(target, types.BuiltinFunctionType)):
+        kwargs = _from_numpy_keywords(kwargs, sig)
     try:
         bound = sig.bind(*args, **kwargs)
     except TypeError as error:
@@ -577,7 +696,8 @@ def canonical_of(node: fx.Node, gm: fx.GraphModule) -> Canonical | None:
     inplace = inplace or bool(arguments.get("inplace", False))
     first = arguments.get("input")
     try:
-        return handler(arguments, inplace)
+        c = handler(arguments, inplace)
+        return dataclasses.replace(c, operands=tuple(_plain_scalar(o) for o in c.operands))
     except NotFusible as reason:
         return Canonical("?", (first,) if isinstance(first, fx.Node) else (), {}, problem=str(reason))
     except (TypeError, ValueError) as error:  # a scalar argument is a traced value (Dynamo's dynamic floats)
@@ -596,6 +716,37 @@ def _redirect_inplace_uses(graph: fx.Graph, canon: dict[fx.Node, Canonical]) -> 
                     user.replace_input_with(target, node)
 
 
+def _refuse_inplace_on_aliases(graph: fx.Graph, canon: dict[fx.Node, Canonical]) -> None:
+    """An identity op (`h.contiguous()`, eval-mode dropout, nn.Identity) returns the same tensor, so an in-place op
+    on one of them changes the others too, which the program's values (one per op) cannot express: an in-place op
+    whose tensor has such an alias read after it is refused. (Later reads of the mutated tensor itself are
+    redirected to the in-place op: `_redirect_inplace_uses`.)"""
+    position = {node: i for i, node in enumerate(graph.nodes)}
+    aliases: dict[fx.Node, set] = {}
+    for node, c in canon.items():
+        source = c.operands[0] if c.op == IDENTITY and c.operands else None
+        if isinstance(source, fx.Node):
+            aliases.setdefault(node, set()).add(source)
+            aliases.setdefault(source, set()).add(node)
+    for node, c in list(canon.items()):
+        target = c.inplace_of
+        if not isinstance(target, fx.Node) or target not in aliases:
+            continue
+        component, stack = {target}, [target]
+        while stack:
+            for other in aliases.get(stack.pop(), ()):
+                if other not in component:
+                    component.add(other)
+                    stack.append(other)
+        for alias in component - {target}:
+            later = [user for user in alias.users if user is not node and position[user] > position[node]]
+            if later:
+                problem = (f"in-place `{node.name}` changes `{target.name}`, which `{alias.name}` aliases and "
+                           f"`{later[0].name}` reads after it")
+                canon[node] = dataclasses.replace(c, problem=problem)
+                break
+
+
 def canonicalize(gm: fx.GraphModule) -> dict[fx.Node, Canonical]:
     """Canonical records for every node of `gm` that spells a GEMM or an epilogue op; idioms included."""
     from .idioms import apply_idioms
@@ -607,6 +758,7 @@ def canonicalize(gm: fx.GraphModule) -> dict[fx.Node, Canonical]:
     if any(c.inplace_of is not None for c in canon.values()):
         _redirect_inplace_uses(gm.graph, canon)
         canon = records()  # operands now name the redirected inputs
+    _refuse_inplace_on_aliases(gm.graph, canon)
     apply_idioms(gm, canon)
     for node, c in list(canon.items()):
         for covered in c.covers:

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import heapq
 import logging
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
 import networkx as nx
 import torch
 import torch.fx as fx
+import torch.nn as nn
 
 from .canonicalize import COVERED, IDENTITY, LINEAR, Attr, Canonical
 from .epilogue import EPILOGUE_OPS, NORM, POINTWISE, REDUCTION
@@ -27,7 +29,8 @@ logger = logging.getLogger("fxfuse")
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Canonical attributes that steer matching but are not part of the op's program signature.
-MATCHING_ATTRS = ("transpose_weight", "addmm_bias", "rank_needed")
+MATCHING_ATTRS = ("transpose_weight", "addmm_bias", "rank_needed", "dtype_needed", "normalized_size",
+                  "matrix_input")
 
 
 @dataclass
@@ -41,6 +44,7 @@ class Region:
     bias: Any                        # fx.Node | Attr | None
     params: list[Any]                # fx.Node | Attr, in $k order
     program: Program
+    check_matrix: bool = False       # mm / addmm with an input of unknown rank: the rewrite checks it is 2-D
 
 
 class Boundary(str):
@@ -70,13 +74,11 @@ class Facts:
     def tensor(self, obj) -> torch.Tensor | None:
         """A real or fake tensor with the shape and dtype of `obj`, or None if unknown."""
         if isinstance(obj, Attr):
-            value = _get_attr(self.gm, obj.path)
-            return value if isinstance(value, torch.Tensor) else None
+            return _known_tensor(_get_attr(self.gm, obj.path))
         if not isinstance(obj, fx.Node):
             return None
         if obj.op == "get_attr":
-            value = _get_attr(self.gm, obj.target)
-            return value if isinstance(value, torch.Tensor) else None
+            return _known_tensor(_get_attr(self.gm, obj.target))
         for key in ("val", "example_value"):
             value = obj.meta.get(key)
             if isinstance(value, torch.Tensor):
@@ -109,6 +111,12 @@ def _declared_not_tensor(placeholder: fx.Node) -> bool:
         return True
     annotation = placeholder.type
     return isinstance(annotation, type) and not issubclass(annotation, torch.Tensor)
+
+
+def _known_tensor(value) -> torch.Tensor | None:
+    """A module attribute as a tensor whose shape is known: not a lazy module's uninitialized parameter."""
+    lazy = isinstance(value, (nn.parameter.UninitializedParameter, nn.parameter.UninitializedBuffer))
+    return value if isinstance(value, torch.Tensor) and not lazy else None
 
 
 def _get_attr(gm: fx.GraphModule, path: str):
@@ -198,6 +206,8 @@ class _Growth:
                 return f"the input is {_dtype_name(x_tensor.dtype)} but the weight is {_dtype_name(self.dtype)}"
             if x_tensor.dim() < 2:
                 return f"the input has {x_tensor.dim()} dim; a GEMM anchor needs 2 or more"
+            if c.attrs.get("matrix_input") and x_tensor.dim() != 2:
+                return f"mm and addmm take matrices; the input has {x_tensor.dim()} dims (eager raises)"
         self.features = weight_tensor.shape[1 if c.attrs["transpose_weight"] else 0]
         for name, obj in (("bias", bias), ("input", x)):
             if isinstance(obj, fx.Node) and self.facts.is_tensor(obj) is False:
@@ -255,10 +265,17 @@ class _Growth:
         if not values:
             return f"{describe(node)} reads no value of the region"
         if c.op == IDENTITY:
+            problem = _rank_problem(node, c.attrs.get("rank_needed"), self.rank.get(values[0].index))
+            if problem:  # dropout1d-3d: eager checks the rank even where they return their input
+                return problem
             self.add_member(node, c)
             self.value[node] = values[0].index
             return None
         spec = EPILOGUE_OPS[c.op]
+        dtype_needed = c.attrs.get("dtype_needed")
+        if dtype_needed is not None and dtype_needed != self.dtype:
+            return (f"{c.op} with dtype={_dtype_name(dtype_needed)} makes its {_dtype_name(self.dtype)} value "
+                    f"{_dtype_name(dtype_needed)}")
         rank = self.result_rank(operands)
         problem = self.row_local_problem(node, c, spec, values[0].index, rank)
         if problem:
@@ -295,10 +312,12 @@ class _Growth:
             groups = c.attrs["num_groups"]
             if groups <= 0 or self.features % groups:
                 return f"group_norm: {self.features} channels not divisible by {groups} groups"
-        needed = c.attrs.get("rank_needed")
-        if needed is not None and rank not in needed:
-            return (f"{describe(node)} is a per-row norm only on {' or '.join(f'{r}-D' for r in needed)} "
-                    f"outputs; the rank is {'unknown (pass example inputs)' if rank is None else rank}")
+        size = c.attrs.get("normalized_size")
+        if size is not None and size != self.features:
+            return f"{name}'s normalized_shape is ({size},) but the GEMM has {self.features} features (eager raises)"
+        problem = _rank_problem(node, c.attrs.get("rank_needed"), rank)
+        if problem:
+            return problem
         for name_ in spec.operands:
             if name_ in spec.feature_operands:
                 operand = self.facts.resolve(c.operands[spec.operands.index(name_)])
@@ -344,6 +363,14 @@ class _Growth:
         if leaving - {last} or self.value[last] != len(self.instructions):
             return None
         return last
+
+
+def _rank_problem(node: fx.Node, needed, rank: int | None) -> str | None:
+    """An op that takes only some ranks (`rank_needed`): why this one can't be fused, or None."""
+    if needed is None or rank in needed:
+        return None
+    return (f"{describe(node)} takes only {' or '.join(f'{r}-D' for r in needed)} values here; the rank is "
+            f"{'unknown (pass example inputs)' if rank is None else rank}")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -408,7 +435,8 @@ def find_region(gm: fx.GraphModule, anchor: fx.Node, canon, facts: Facts):
     if n_members < len(growth.members) and first_cut_reason:
         misses.insert(0, NearMiss(anchor, growth.members[n_members], first_cut_reason))
     region = Region(anchor, growth.members[:n_members], output, growth.x, growth.weight, growth.transpose_weight,
-                    growth.bias, growth.params[:n_params], Program(tuple(growth.instructions[:n_instructions])))
+                    growth.bias, growth.params[:n_params], Program(tuple(growth.instructions[:n_instructions])),
+                    check_matrix=canon[anchor].attrs.get("matrix_input", False) and facts.rank(growth.x) is None)
     problem = prove_legal(gm, region, facts) or _mutation_problem(region, canon, facts)
     if problem:
         return None, [NearMiss(anchor, anchor, problem)]
@@ -438,21 +466,48 @@ def _escape_reason(growth: _Growth) -> str:
 # ---------------------------------------------------------------- legality proof
 
 
-def _mutated_by(node: fx.Node, canon) -> Any:
-    """The tensor that `node` changes in place, if it is an in-place op; else None."""
+def _mutated_by(node: fx.Node, canon, gm: fx.GraphModule) -> list:
+    """The tensors that `node` may change in place: an in-place op's input, `out=`, item assignment
+    (`y[0] = 1`), `inplace=True` on any call or module; else none."""
     c = canon.get(node)
     if c is not None and c.inplace_of is not None:
-        return c.inplace_of
+        return [c.inplace_of]
+    mutated = []
+    if node.op in ("call_method", "call_function", "call_module"):
+        out = node.kwargs.get("out")
+        if isinstance(out, (tuple, list)):
+            mutated.extend(out)
+        elif out is not None:
+            mutated.append(out)
+        inplace_module = node.op == "call_module" and getattr(gm.get_submodule(node.target), "inplace", False)
+        if (node.kwargs.get("inplace") is True or inplace_module) and node.args:
+            mutated.append(node.args[0])
     name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
     if node.op in ("call_method", "call_function") and isinstance(name, str) and name.endswith("_") \
             and not name.startswith("_") and node.args:
-        return node.args[0]
-    return None
+        mutated.append(node.args[0])
+    if node.op == "call_function" and node.target is operator.setitem:
+        mutated.append(node.args[0])
+    return [m for m in mutated if m is not None]
+
+
+def _bases(tensor, canon) -> list:
+    """`tensor` and what it may be a view of: back through the first input of every op but the epilogue ops and
+    GEMMs of the vocabulary, which make tensors of their own (`y[:, :]`, `y.view(-1)`, `y.t()` lead to `y`)."""
+    bases = [tensor]
+    while isinstance(tensor, fx.Node) and tensor.op in ("call_function", "call_method") and tensor.args:
+        c = canon.get(tensor)
+        if c is not None and c.op not in (IDENTITY, COVERED) and c.inplace_of is None and not c.problem:
+            break
+        tensor = tensor.args[0]
+        bases.append(tensor)
+    return bases
 
 
 def _mutation_problem(region: Region, canon, facts: Facts) -> str | None:
-    """The fused op runs where the region's last op was: an in-place op between the region's ops must not
-    change a tensor the region reads, or the fused op would read it changed where eager read it unchanged."""
+    """The fused op runs where the region's last op was: an op between the region's ops must not change a tensor
+    the region reads (in place, through a view of it, by `out=` or by item assignment), or the fused op would read
+    it changed where eager read it unchanged."""
     members = set(region.members)
     read_nodes = {o for o in (region.x, region.weight, region.bias, *region.params) if isinstance(o, fx.Node)}
     read_paths = {o.path for o in (region.weight, region.bias, *region.params) if isinstance(o, Attr)}
@@ -462,13 +517,13 @@ def _mutation_problem(region: Region, canon, facts: Facts) -> str | None:
         node = node.next
         if node in members:
             continue
-        mutated = _mutated_by(node, canon)
-        if mutated is None:
-            continue
-        if mutated in read_nodes or (isinstance(mutated, fx.Node) and mutated.op == "get_attr"
-                                     and mutated.target in read_paths):
-            return f"in-place {describe(node)} changes {describe(mutated)} between the region's ops, which read it"
+        for mutated in _mutated_by(node, canon, facts.gm):
+            for base in _bases(mutated, canon):
+                if base in read_nodes or (isinstance(base, fx.Node) and base.op == "get_attr"
+                                          and base.target in read_paths):
+                    return (f"{describe(node)} changes {describe(base)} between the region's ops, which read it")
     return None
+
 
 def prove_legal(gm: fx.GraphModule, region: Region, facts: Facts) -> str | None:
     """Convexity (no path leaves the region and re-enters it) and a single output, checked with networkx."""

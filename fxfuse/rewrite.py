@@ -53,6 +53,32 @@ def require_eval_mode(module: nn.Module, path: str) -> None:
                            "(or use torch.compile(model, backend='fxfuse'), which recompiles on a mode change)")
 
 
+def require_matrix(x: torch.Tensor) -> None:
+    """Called by rewritten graphs before a fused op whose GEMM was torch.mm or addmm: eager's error for an input
+    that is no matrix (the fused op itself takes any leading dims)."""
+    if x.dim() != 2:
+        raise RuntimeError(f"self must be a matrix (mm and addmm take 2-D inputs; got {x.dim()}-D)")
+
+
+def number_as_tensor(value, like: torch.Tensor):
+    """Called by rewritten graphs for a forward argument that the matcher took for a tensor without example inputs:
+    a Python number passed there becomes a 0-d tensor of the GEMM input's dtype and device (as eager's op would
+    cast it), so that the fused op's tensor params can take it."""
+    if isinstance(value, (bool, int, float)):
+        return torch.tensor(value, dtype=like.dtype, device=like.device)
+    return value
+
+
+def _maybe_number(node) -> bool:
+    """A graph input of unknown type (no example inputs, no annotation or default that says it is no tensor)."""
+    known = ("val", "example_value", "tensor_meta")
+    return isinstance(node, fx.Node) and node.op == "placeholder" and not any(k in node.meta for k in known)
+
+
+# What a rewritten graph calls beside its fused ops.
+GRAPH_HELPERS = (require_eval_mode, require_matrix, number_as_tensor)
+
+
 def _copy_meta(node: fx.Node, source: fx.Node, keys) -> None:
     node.meta.update({k: v for k, v in source.meta.items() if k in keys})
 
@@ -66,11 +92,14 @@ def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool)
         for member in region.members:
             if member.op == "call_module" and _behaves_differently_in_training(gm.get_submodule(member.target)):
                 graph.call_function(require_eval_mode, (graph.get_attr(member.target), member.target))
+        if region.check_matrix:
+            graph.call_function(require_matrix, (region.x,))
         weight = _tensor_node(graph, region.weight)
         if region.transpose_weight:
             weight = graph.call_function(torch.t, (weight,))
-        args = (region.x, weight, _tensor_node(graph, region.bias),
-                [_tensor_node(graph, p) for p in region.params], str(region.program))
+        params = [graph.call_function(number_as_tensor, (p, region.x)) if _maybe_number(p) else _tensor_node(graph, p)
+                  for p in region.params]
+        args = (region.x, weight, _tensor_node(graph, region.bias), params, str(region.program))
         if training:
             pair = graph.call_function(gemm_epilogue_train, args)
             fused = graph.call_function(operator.getitem, (pair, 0))

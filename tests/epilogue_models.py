@@ -17,7 +17,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from fxfuse.library import FUSED_OPS, gemm_epilogue_train
-from fxfuse.rewrite import require_eval_mode
+from fxfuse.rewrite import GRAPH_HELPERS
 from fxfuse.testing import assert_fuses
 
 IN, OUT, BATCH = 24, 40, 3  # 40 output features: not a multiple of 32
@@ -53,7 +53,7 @@ def leftover_compute(module: nn.Module) -> list[str]:
         for node in graph_module.graph.nodes:
             if node.op in _BOOKKEEPING:
                 continue
-            if node.target in (*FUSED_OPS, require_eval_mode):
+            if node.target in (*FUSED_OPS, *GRAPH_HELPERS):
                 continue
             if node.target is operator.getitem and node.args[0].target is gemm_epilogue_train:
                 continue

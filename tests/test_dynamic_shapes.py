@@ -4,6 +4,7 @@ the fxfuse backend compiles no more often than it does without fxfuse (dynamic=N
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import fxfuse
 import fxfuse.api
@@ -137,6 +138,20 @@ def test_dynamic_module_float_is_pinned_and_checked():
             assert "was 1e-05 when this graph was compiled" in str(error)
         else:
             assert_close_report(result, model(x))
+
+
+def test_float_passed_by_the_caller_is_not_pinned():
+    """dynamic=True makes a forward's float argument a graph input too; unlike a module's float it changes from
+    call to call, so it stays a traced value (the op that reads it is not fused) and every value works."""
+    def model(x, slope: float):
+        return torch.relu(nn.functional.linear(x, weight)) + F.leaky_relu(x @ weight.t(), slope)
+
+    weight = torch.randn(32, 16)
+    compiled = torch.compile(model, backend=fxfuse.make_backend(inner="eager"), dynamic=True)
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        for slope in (0.1, 0.2, 0.3):
+            assert_close_report(compiled(x, slope), model(x, slope))
 
 
 def test_pinned_float_check_fails_loudly_if_the_graph_is_reused_with_another_value():

@@ -352,3 +352,219 @@ def test_number_argument_of_forward_is_no_tensor_operand_without_example_inputs(
     assert_reason(optimized, "operand `scale` is not a tensor")
     with torch.no_grad():
         assert_close_report(optimized(*inputs), model(*inputs))
+
+
+# ---------------------------------------------------------------- aliases, and changes that eager sees
+
+
+def relu_through_contiguous(m, x, y):
+    h = m.fc(x)
+    h.contiguous().relu_()
+    return h + 1.0
+
+
+def relu_through_identity(m, x, y):
+    h = m.fc(x)
+    m.ident(h).relu_()
+    return h * 2.0
+
+
+def add_through_eval_dropout(m, x, y):
+    h = m.fc(x)
+    m.drop(h).add_(1.0)
+    return h + 1.0
+
+
+def alias_read_after_relu(m, x, y):
+    h = m.fc(x)
+    g = m.ident(h)
+    h.relu_()
+    return g + 1.0
+
+
+@pytest.mark.parametrize("epilogue", [relu_through_contiguous, relu_through_identity, add_through_eval_dropout,
+                                      alias_read_after_relu])
+def test_in_place_op_on_an_alias_made_by_an_identity_op_is_not_fused(epilogue):
+    """contiguous(), nn.Identity and eval-mode dropout return the same tensor: an in-place op on one changes the
+    other, which the program's values (one per op) cannot say."""
+    model = GemmThen(epilogue, ident=nn.Identity(), drop=nn.Dropout(0.3)).eval()
+    optimized = assert_not_fused(model, (rows(),))
+    assert_reason(optimized, "aliases")
+
+
+def test_in_place_op_after_an_identity_op_fuses_where_nothing_else_reads_the_alias():
+    model = GemmThen(lambda m, x, y: m.drop(m.fc(x)).relu_() + 1.0, drop=nn.Dropout(0.3)).eval()
+    assert_whole_chain_fused(model, (rows(),))
+
+
+def zero_operand_through_a_view(m, x, y):
+    scaled = m.fc(x) * y
+    y[:, :].zero_()
+    return torch.relu(scaled)
+
+
+def zero_operand_by_out(m, x, y):
+    scaled = m.fc(x) * y
+    torch.mul(y, 0.0, out=y)
+    return torch.relu(scaled)
+
+
+def scale_operand_through_a_reshape(m, x, y):
+    scaled = m.fc(x) * y
+    y.view(-1).mul_(2.0)
+    return torch.relu(scaled)
+
+
+def assign_into_operand(m, x, y):
+    scaled = m.fc(x) * y
+    y[0] = 100.0
+    return torch.relu(scaled)
+
+
+def zero_gemm_input_after_the_gemm(m, x, y):
+    h = m.fc(x)
+    x[:].zero_()
+    return torch.relu(h) + y
+
+
+@pytest.mark.parametrize("epilogue", [zero_operand_through_a_view, zero_operand_by_out,
+                                      scale_operand_through_a_reshape, zero_gemm_input_after_the_gemm])
+def test_change_of_a_read_tensor_through_a_view_out_or_assignment_is_not_fused(epilogue):
+    """The fused op would read `y` (or the GEMM's `x`) after the change, where eager read it before."""
+    model = GemmThen(epilogue)
+    x, y = rows(), torch.randn(BATCH, OUT)
+    with torch.no_grad():
+        expected = model(x.clone(), y.clone())
+        optimized = fxfuse.optimize(model, (x.clone(), y.clone()))
+        actual = optimized(x.clone(), y.clone())
+    assert fused_op_count(optimized) == 0
+    assert_reason(optimized, "between the region's ops, which read it")
+    assert_close_report(actual, expected)
+
+
+def test_item_assignment_into_a_read_tensor_is_not_fused_by_the_backend():
+    """fx's tracer can't trace `y[0] = v`; Dynamo keeps it as operator.setitem in the graph fxfuse gets."""
+    torch._dynamo.reset()
+    model = GemmThen(assign_into_operand)
+    x, y = rows(), torch.randn(BATCH, OUT)
+    compiled = torch.compile(model, backend=fxfuse.make_backend(inner="eager"))
+    with torch.no_grad():
+        assert_close_report(compiled(x, y.clone()), model(x, y.clone()))
+    torch._dynamo.reset()
+
+
+def test_fresh_tensor_changed_between_region_ops_does_not_stop_the_region():
+    model = GemmThen(lambda m, x, y: (lambda scaled, z: torch.relu(scaled) + z.add_(1.0))(m.fc(x) * y, y * 2.0))
+    assert_fuses(model, (rows(), torch.randn(BATCH, OUT)), regions=1)
+
+
+# ---------------------------------------------------------------- scalars and dtypes as eager has them
+
+
+def test_softmax_to_another_dtype_by_position_is_not_fused():
+    """torch.softmax(input, dim, dtype): the third positional argument is the dtype (F.softmax's is _stacklevel)."""
+    model = GemmThen(lambda m, x, y: torch.softmax(m.fc(x) * 2.0, -1, torch.float64))
+    optimized = assert_fuses(model, (rows(),), regions=1)
+    assert fused_programs(optimized) == ["mul(%0,2.0)"]
+    assert_reason(optimized, "softmax with dtype=float64")
+    assert optimized(rows()).dtype == torch.float64
+
+
+def test_bf16_softmax_to_float32_is_not_fused():
+    model = GemmThen(lambda m, x, y: m.fc(x).softmax(-1, torch.float32)).to(torch.bfloat16)
+    optimized = assert_not_fused(model, (rows(dtype=torch.bfloat16),), reason="makes its bfloat16 value float32")
+    assert optimized(rows(dtype=torch.bfloat16)).dtype == torch.float32
+
+
+def test_numpy_scalar_operand_fuses_as_a_number():
+    np = pytest.importorskip("numpy")
+    model = GemmThen(lambda m, x, y: torch.relu(m.fc(x) / np.sqrt(OUT)))
+    optimized = assert_whole_chain_fused(model, (rows(),))
+    assert fused_programs(optimized) == [f"div(%0,{float(np.sqrt(OUT))!r});relu(%1)"]
+
+
+def test_complex_scalar_is_not_fused():
+    model = GemmThen(lambda m, x, y: torch.relu(m.fc(x)) * 1j)
+    optimized = assert_fuses(model, (rows(),), regions=1)
+    assert fused_programs(optimized) == ["relu(%0)"]
+    assert_reason(optimized, "complex scalar")
+
+
+class ScaleUnannotated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(IN, OUT)
+
+    def forward(self, x, scale):
+        return torch.relu(self.fc(x)) * scale
+
+
+@pytest.mark.parametrize("scale", [0.5, 3, torch.randn(OUT)], ids=["float", "int", "tensor"])
+def test_unannotated_argument_taken_for_a_tensor_also_takes_a_number(scale):
+    """Without example inputs `scale` becomes a tensor param of the fused op; a number passed there is
+    converted on the way in (as eager's mul casts it)."""
+    model = ScaleUnannotated()
+    optimized = fxfuse.optimize(model)
+    assert fused_programs(optimized) == ["relu(%0);mul(%1,$0)"]
+    x = rows()
+    with torch.no_grad():
+        assert_close_report(optimized(x, scale), model(x, scale))
+
+
+# ---------------------------------------------------------------- errors where eager raises
+
+
+EAGER_ERRORS = {
+    "layer_norm-of-another-size": (lambda m, x, y: torch.relu(F.layer_norm(m.fc(x), (IN,))), RuntimeError),
+    "rms_norm-of-another-size": (lambda m, x, y: torch.relu(F.rms_norm(m.fc(x), [OUT + 1])), RuntimeError),
+    "hardtanh-min-above-max": (lambda m, x, y: F.hardtanh(m.fc(x), 2.0, 1.0), ValueError),
+    "dropout-p-above-1": (lambda m, x, y: torch.relu(F.dropout(m.fc(x), 1.5, training=False)), ValueError),
+    "mm-of-3-D": (lambda m, x, y: torch.relu(torch.mm(x, m.fc.weight.t())), RuntimeError),
+    "addmm-of-3-D": (lambda m, x, y: torch.relu(torch.addmm(m.fc.bias, x, m.fc.weight.t())), RuntimeError),
+}
+
+
+@pytest.mark.parametrize("name", list(EAGER_ERRORS))
+@pytest.mark.parametrize("shapes", [True, False], ids=["example-inputs", "no-example-inputs"])
+def test_optimized_model_raises_where_eager_raises(name, shapes):
+    epilogue, error = EAGER_ERRORS[name]
+    model = GemmThen(epilogue).eval()
+    x = torch.randn(2, BATCH, IN) if name.endswith("3-D") else rows()
+    with pytest.raises(error):
+        model(x)
+    optimized = fxfuse.optimize(model, (x,) if shapes else None)
+    with pytest.raises(error):
+        optimized(x)
+
+
+def test_lazy_module_is_left_to_initialize_on_its_first_call():
+    model = nn.Sequential(nn.LazyLinear(OUT), nn.ReLU())
+    report = fxfuse.explain(model, (rows(),))
+    assert report.fused == []
+    assert model(rows()).shape == (BATCH, OUT) and model[0].weight.device.type == "cpu"
+
+
+class Untraceable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(IN, OUT), nn.BatchNorm1d(OUT), nn.ReLU())
+
+    def forward(self, x):
+        h = self.body(x)
+        return h * 2.0 if h.sum() > 0 else h  # data-dependent control flow: fx can't trace it
+
+
+def test_finding_the_inputs_of_an_untraceable_models_children_leaves_its_state_alone():
+    model = Untraceable().train()
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    fxfuse.explain(model, (rows(),))
+    fxfuse.optimize(model, (rows(),))
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, before[name]), f"{name} changed while optimizing"
+
+
+def test_one_tensor_as_example_inputs_is_one_input():
+    model = GemmThen(lambda m, x, y: F.instance_norm(m.fc(x)))  # fuses only where the rank (3) is known
+    x = torch.randn(2, BATCH, IN)
+    assert fused_programs(fxfuse.optimize(model, x)) == fused_programs(fxfuse.optimize(model, (x,)))
+    assert len(fxfuse.explain(model, x).fused) == 1

@@ -231,6 +231,16 @@ POINTWISE = [
     case("F.dropout-training=False", "relu", lambda m, x, y: F.relu(F.dropout(m.fc(x), 0.3, training=False))),
     case("nn.Identity", "relu", lambda m, x, y: F.relu(m.ident(m.fc(x))), ident=nn.Identity()),
     case("contiguous", "relu", lambda m, x, y: F.relu(m.fc(x).contiguous())),
+    case("eval-AlphaDropout", "elu", lambda m, x, y: F.selu(m.drop(m.fc(x))), drop=nn.AlphaDropout(0.2).eval()),
+    case("eval-FeatureAlphaDropout", "relu", lambda m, x, y: F.relu(m.drop(m.fc(x))),
+         drop=nn.FeatureAlphaDropout(0.2).eval()),
+    case("eval-Dropout1d", "relu", lambda m, x, y: F.relu(m.drop(m.fc(x))), drop=nn.Dropout1d(0.5).eval()),
+    case("F.dropout1d-training=False", "relu", lambda m, x, y: F.relu(F.dropout1d(m.fc(x), 0.5, training=False))),
+    case("F.alpha_dropout-training=False", "relu",
+         lambda m, x, y: F.relu(F.alpha_dropout(m.fc(x), 0.1, training=False))),
+    case("torch.dropout-train=False", "relu", lambda m, x, y: F.relu(torch.dropout(m.fc(x), 0.5, False))),
+    case("torch.feature_alpha_dropout", "relu",
+         lambda m, x, y: F.relu(torch.feature_alpha_dropout(m.fc(x), 0.5, False))),
 ]
 
 
@@ -283,6 +293,16 @@ NORMS = [
          norm=nn.BatchNorm1d(OUT, affine=False)),
     case("F.batch_norm-eval", "batch_norm",
          lambda m, x, y: F.batch_norm(m.fc(x), m.mean, m.var, m.w, m.b, training=False, eps=1e-3),
+         mean=buffer(OUT), var=torch.rand(OUT) + 0.5, w=vector(), b=vector()),
+    # torch.*'s own forms, with their cudnn flags
+    case("torch.layer_norm", "layer_norm(%0,$0,$1,1e-05)",
+         lambda m, x, y: torch.layer_norm(m.fc(x), (OUT,), m.w, m.b, 1e-5, False), w=vector(), b=vector()),
+    case("torch.group_norm", "group_norm(%0,$0,$1,4,0.001)",
+         lambda m, x, y: torch.group_norm(m.fc(x), 4, m.w, m.b, 1e-3, False), w=vector(), b=vector()),
+    case("torch.rms_norm", "rms_norm(%0,$0,1e-06)", lambda m, x, y: torch.rms_norm(m.fc(x), [OUT], m.w, 1e-6),
+         w=vector()),
+    case("torch.batch_norm-eval", "batch_norm",
+         lambda m, x, y: torch.batch_norm(m.fc(x), m.w, m.b, m.mean, m.var, False, 0.1, 1e-5, False),
          mean=buffer(OUT), var=torch.rand(OUT) + 0.5, w=vector(), b=vector()),
 ]
 
@@ -355,6 +375,21 @@ REDUCTIONS = [
     case("torch.log_softmax", "log_softmax", linear_then(lambda h: torch.log_softmax(h, dim=-1))),
     case("Tensor.log_softmax", "log_softmax", linear_then(lambda h: h.log_softmax(-1))),
     case("nn.LogSoftmax", "log_softmax", lambda m, x, y: m.act(m.fc(x)), act=nn.LogSoftmax(dim=-1)),
+    # NumPy's keywords, which torch.* and the methods take (F.* does not)
+    case("torch.sum-axis-keepdims", "sum(%0,1,True)", linear_then(lambda h: torch.sum(h, axis=1, keepdims=True))),
+    case("Tensor.mean-axis", "mean(%0,-1,False)", linear_then(lambda h: h.mean(axis=-1))),
+    case("torch.amax-axis", "amax(%0,1,False)", linear_then(lambda h: torch.amax(h, axis=1))),
+    case("x.min(axis=-1)[0]", "amin(%0,-1,False)", linear_then(lambda h: h.min(axis=-1)[0])),
+    case("torch.max(x,axis=1).values", "amax(%0,1,False)", linear_then(lambda h: torch.max(h, axis=1).values)),
+    case("Tensor.logsumexp-axis", "logsumexp(%0,1,False)", linear_then(lambda h: h.logsumexp(axis=1))),
+    case("torch.softmax-axis", "softmax(%0,-1)", linear_then(lambda h: torch.softmax(h, axis=-1))),
+    # dtype= of the value's own dtype changes nothing: by keyword, and by position where torch.* takes it
+    case("F.softmax-own-dtype", "softmax(%0,-1)", linear_then(lambda h: F.softmax(h, -1, dtype=torch.float32))),
+    case("torch.softmax-own-dtype-positional", "softmax(%0,-1)",
+         linear_then(lambda h: torch.softmax(h, -1, torch.float32))),
+    case("Tensor.log_softmax-own-dtype", "log_softmax(%0,-1)",
+         linear_then(lambda h: h.log_softmax(-1, torch.float32))),
+    case("Tensor.sum-own-dtype", "sum(%0,-1,False)", linear_then(lambda h: h.sum(-1, dtype=torch.float32))),
     # pointwise ops after a reduction, broadcasting the reduced value
     case("sum-keepdim+param", "add", lambda m, x, y: m.fc(x).sum(1, keepdim=True) + m.b, b=vector(1)),
     case("mean*scalar", "mul", linear_then(lambda h: h.mean(1) * 3.0)),
