@@ -30,6 +30,21 @@ def gelu_tanh_spelled_out(x):
     return 0.5 * x * (1.0 + torch.tanh(0.7978845608028654 * (x + 0.044715 * torch.pow(x, 3.0))))
 
 
+@idiom("gelu", approximate="none")
+def gelu_erf_spelled_out(x):  # BERT's and GPT-2's own code
+    return x * 0.5 * (1.0 + torch.erf(x / 1.4142135623730951))
+
+
+@idiom("gelu", approximate="none")
+def gelu_erf_by_its_reciprocal(x):
+    return x * 0.5 * (1.0 + torch.erf(x * 0.7071067811865476))
+
+
 @idiom("elu", scale=1.0, input_scale=1.0)
 def elu_from_where(x, *, alpha):
     return torch.where(x > 0, x, alpha * (torch.exp(x) - 1.0))
+
+
+@idiom("leaky_relu")
+def leaky_relu_from_where(x, *, negative_slope):
+    return torch.where(x > 0, x, negative_slope * x)

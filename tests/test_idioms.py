@@ -1,6 +1,8 @@
 """Multi-node idioms: the built-in ones (fxfuse.patterns) in any spelling of their ops, and idioms that user code
 declares with ``fxfuse.idiom`` without editing fxfuse. Scalars of an idiom are captured, never baked in.
 """
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -42,6 +44,13 @@ BUILT_IN = {
     "hardswish: x*F.hardtanh(x+3,0,6)/6": (on_gemm(lambda h: h * F.hardtanh(h + 3, 0, 6) / 6), "hardswish(%0)"),
     "gelu-tanh spelled out": (on_gemm(lambda h: 0.5 * h * (1.0 + torch.tanh(
         0.7978845608028654 * (h + 0.044715 * torch.pow(h, 3.0))))), "gelu(%0,'tanh')"),
+    "gelu-erf spelled out": (on_gemm(lambda h: h * 0.5 * (1.0 + torch.erf(h / math.sqrt(2.0)))), "gelu(%0,'none')"),
+    "gelu-erf: 0.5*x*(1+erf(x*0.7071...))": (
+        on_gemm(lambda h: 0.5 * h * (1 + torch.erf(h * 0.7071067811865476))), "gelu(%0,'none')"),
+    "gelu-erf: .mul and 2 ** 0.5": (
+        on_gemm(lambda h: h.mul(0.5).mul(1.0 + torch.erf(h / 2 ** 0.5))), "gelu(%0,'none')"),
+    "leaky_relu via where, slope captured": (
+        on_gemm(lambda h: torch.where(h > 0, h, 0.2 * h)), "leaky_relu(%0,0.2)"),
     "elu via where, alpha captured": (
         on_gemm(lambda h: torch.where(h > 0, h, 0.7 * (torch.exp(h) - 1.0))), "elu(%0,0.7,1.0,1.0)"),
     "elu via where, other alpha": (
@@ -71,6 +80,11 @@ def test_near_idiom_is_not_that_op(name):
     model = GemmThen(epilogue)
     optimized = fxfuse.testing.assert_fuses(model, (torch.randn(BATCH, IN),), regions=1)
     assert op + "(" not in fused_programs(optimized)[0]
+
+
+def test_erf_gelu_with_another_scale_is_not_gelu():
+    model = GemmThen(on_gemm(lambda h: h * 0.5 * (1.0 + torch.erf(h / 1.5))))
+    fxfuse.testing.assert_not_fused(model, (torch.randn(BATCH, IN),), reason="`erf` (erf) is not an epilogue op")
 
 
 def test_elu_spelling_with_another_threshold_is_not_elu():
