@@ -53,6 +53,23 @@ def require_eval_mode(module: nn.Module, path: str) -> None:
                            "(or use torch.compile(model, backend='fxfuse'), which recompiles on a mode change)")
 
 
+def settings_of(module: nn.Module) -> dict:
+    """A module's plain settings (LeakyReLU's slope, GroupNorm's eps, Dropout's p), which a fused op's program
+    holds as they were when it was fused."""
+    plain = (bool, int, float, str, tuple)
+    return {name: value for name, value in vars(module).items()
+            if not name.startswith("_") and name != "training" and isinstance(value, plain)}
+
+
+def require_settings(module: nn.Module, path: str, settings: dict) -> None:
+    """Called by rewritten graphs for each module folded into a fused op: its settings are still the program's."""
+    for name, value in settings.items():
+        now = getattr(module, name, None)
+        if now != value:
+            raise RuntimeError(f"fxfuse: `{path}`.{name} was {value!r} when it was fused and is now {now!r}; "
+                               "run fxfuse.optimize() on the model again")
+
+
 def require_matrix(x: torch.Tensor) -> None:
     """Called by rewritten graphs before a fused op whose GEMM was torch.mm or addmm: eager's error for an input
     that is no matrix (the fused op itself takes any leading dims)."""
@@ -76,7 +93,7 @@ def _maybe_number(node) -> bool:
 
 
 # What a rewritten graph calls beside its fused ops.
-GRAPH_HELPERS = (require_eval_mode, require_matrix, number_as_tensor)
+GRAPH_HELPERS = (require_eval_mode, require_settings, require_matrix, number_as_tensor)
 
 
 def _copy_meta(node: fx.Node, source: fx.Node, keys) -> None:
@@ -88,10 +105,16 @@ def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool)
     last = max(region.members, key=position.get)
     after = last.next
     with graph.inserting_before(after):
-        # The region relied on these modules being in eval mode: a later .train() must not go unnoticed.
+        # The region relied on these modules' mode and settings: a later .train() or change must not go unnoticed.
         for member in region.members:
-            if member.op == "call_module" and _behaves_differently_in_training(gm.get_submodule(member.target)):
+            if member.op != "call_module":
+                continue
+            module = gm.get_submodule(member.target)
+            if _behaves_differently_in_training(module):
                 graph.call_function(require_eval_mode, (graph.get_attr(member.target), member.target))
+            if member is not region.anchor:  # the GEMM's settings are its weight's shape
+                graph.call_function(require_settings, (graph.get_attr(member.target), member.target,
+                                                       settings_of(module)))
         if region.check_matrix:
             graph.call_function(require_matrix, (region.x,))
         weight = _tensor_node(graph, region.weight)

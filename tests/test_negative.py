@@ -568,3 +568,20 @@ def test_one_tensor_as_example_inputs_is_one_input():
     x = torch.randn(2, BATCH, IN)
     assert fused_programs(fxfuse.optimize(model, x)) == fused_programs(fxfuse.optimize(model, (x,)))
     assert len(fxfuse.explain(model, x).fused) == 1
+
+
+@pytest.mark.parametrize("change", ["slope", "dropout-p"])
+def test_module_setting_changed_after_optimizing_raises(change):
+    """A fused op's program holds its modules' settings as they were: a later change raises instead of computing
+    with the old ones (as a later .train() does)."""
+    if change == "slope":
+        model = nn.Sequential(nn.Linear(IN, OUT), nn.LeakyReLU(0.2)).eval()
+    else:  # p = 0 folds as an identity even in train mode
+        model = nn.Sequential(nn.Linear(IN, OUT), nn.Dropout(0.0), nn.ReLU()).train()
+    optimized = fxfuse.optimize(model)
+    x = rows()
+    with torch.no_grad():
+        assert_close_report(optimized(x), model(x))
+    setattr(model[1], "negative_slope" if change == "slope" else "p", 0.5)
+    with pytest.raises(RuntimeError, match="when it was fused and is now 0.5"):
+        optimized(x)
