@@ -137,13 +137,13 @@ def _gelu(a, inplace):
 @spelling("(input, negative_slope=0.01, inplace=False)", functions=(F.leaky_relu,),
           inplace_functions=(F.leaky_relu_,))
 def _leaky_relu(a, inplace):
-    return Canonical("leaky_relu", (a["input"],), {"negative_slope": float(a["negative_slope"])},
+    return Canonical("leaky_relu", (a["input"],), {"negative_slope": _number(a["negative_slope"], "leaky_relu's slope")},
                      inplace_of=_inplace(a, inplace))
 
 
 @spelling("(input, alpha=1.0, inplace=False)", functions=(F.elu,), inplace_functions=(F.elu_,))
 def _elu(a, inplace):
-    attrs = {"alpha": float(a["alpha"]), "scale": 1.0, "input_scale": 1.0}
+    attrs = {"alpha": _number(a["alpha"], "elu's alpha"), "scale": 1.0, "input_scale": 1.0}
     return Canonical("elu", (a["input"],), attrs, inplace_of=_inplace(a, inplace))
 
 
@@ -163,17 +163,18 @@ def _selu(a, inplace):
 
 @spelling("(input, alpha=1.0, inplace=False)", functions=(F.celu, torch.celu), inplace_functions=_optional("celu_"))
 def _celu(a, inplace):
-    if a["alpha"] == 0:
+    alpha = _number(a["alpha"], "celu's alpha")
+    if alpha == 0:
         raise NotFusible("celu with alpha=0")
-    attrs = {"alpha": float(a["alpha"]), "scale": 1.0, "input_scale": 1.0 / a["alpha"]}
+    attrs = {"alpha": alpha, "scale": 1.0, "input_scale": 1.0 / alpha}
     return Canonical("elu", (a["input"],), attrs, inplace_of=_inplace(a, inplace))
 
 
 def _plain_scalar(operand):
     """A scalar operand as the Python number the program text writes (NumPy's float64 and int64 spell
     themselves `np.float64(...)`); anything else as it is."""
-    if isinstance(operand, (fx.Node, Attr, torch.Tensor)) or operand is None:
-        return operand
+    if isinstance(operand, (fx.Node, Attr, torch.Tensor, bool)) or operand is None:
+        return operand  # a bool stays one: eager refuses some ops with it (`h - True`)
     if isinstance(operand, numbers.Integral):
         return int(operand)
     if isinstance(operand, numbers.Real):
@@ -184,7 +185,7 @@ def _plain_scalar(operand):
 
 
 def _number(value, what):
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # NumPy's reals are numbers.Real too
         raise NotFusible(f"{what} is not a Python number")
     return float(value)
 
@@ -310,10 +311,10 @@ def _last_dim_only(normalized_shape, input, what) -> tuple[fx.Node, ...]:
         raise NotFusible(f"{what}'s normalized_shape is computed in the graph")
     if len(items) != 1:
         raise NotFusible(f"{what} over {len(items)} dims, not the features alone")
+    if any(e[-1].args[0] is not input for e in expressions):
+        raise NotFusible(f"{what}'s normalized_shape is the size of another tensor")
     covers = [n for e in expressions for n in e]
-    if all(len(n.users) == 1 for n in covers) and all(e[-1].args[0] is input for e in expressions):
-        return tuple(covers)
-    return ()
+    return tuple(covers) if all(len(n.users) == 1 for n in covers) else ()
 
 
 @spelling("(input, num_groups, weight=None, bias=None, eps=1e-05, cudnn_enabled=True)",
@@ -409,7 +410,7 @@ def _single_dim(dim, op):
     return dim
 
 
-def _reduction(op, fns, methods, signature="(input, dim=None, keepdim=False, dtype=None)"):
+def _reduction(op, fns, methods, signature="(input, dim=None, keepdim=False, *, dtype=None)"):
     @spelling(signature, functions=fns, methods=methods)
     def handler(a, inplace):
         attrs = {"dim": _single_dim(a["dim"], op), "keepdim": bool(a["keepdim"]), **_dtype_needed(a.get("dtype"))}
@@ -473,15 +474,15 @@ def _reduction_name(node: fx.Node) -> str | None:
 
 # ---------------------------------------------------------------- dropout and the GEMM anchor
 
-def _dropout_identity(a, training, name, ranks=None):
-    """Dropout that returns its input: p = 0, or not training. Eager checks p (and for dropout1d-3d the rank)
-    even then, so the matcher keeps those checks (`rank_needed`)."""
+def _dropout_identity(a, training, name):
+    """Dropout that returns its input: p = 0, or not training. Eager checks p even then, and so does this.
+    (dropout1d-3d also check the rank of every input they get: they are not folded.)"""
     p = a["p"]
     if not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
         raise NotFusible(f"{name}'s p={p!r} is not a probability (eager raises)")
     if training and p > 0:
         raise NotFusible(f"{name}(p={p}) in training mode is random")
-    return Canonical(IDENTITY, (a["input"],), {} if ranks is None else {"rank_needed": ranks})
+    return Canonical(IDENTITY, (a["input"],))
 
 
 @spelling("(input, p=0.5, training=True, inplace=False)", functions=(F.dropout,))
@@ -492,18 +493,6 @@ def _dropout(a, inplace):
 @spelling("(input, p=0.5, training=False, inplace=False)", functions=(F.alpha_dropout, F.feature_alpha_dropout))
 def _alpha_dropout(a, inplace):
     return _dropout_identity(a, a["training"], "alpha_dropout")
-
-
-def _feature_dropout(function, ranks):
-    @spelling("(input, p=0.5, training=True, inplace=False)", functions=(function,))
-    def handler(a, inplace):
-        return _dropout_identity(a, a["training"], function.__name__, ranks)
-    return handler
-
-
-_feature_dropout(F.dropout1d, (2, 3))
-_feature_dropout(F.dropout2d, (3, 4))
-_feature_dropout(F.dropout3d, (4, 5))
 
 
 @spelling("(input, p, train)", functions=(torch.dropout, torch.alpha_dropout, torch.feature_dropout,
@@ -574,8 +563,8 @@ def _module_tensor(path: str, module: nn.Module, name: str):
 
 _KNOWN_MODULES = (nn.Linear, nn.ReLU, nn.SiLU, nn.Mish, nn.Hardswish, nn.Hardsigmoid, nn.SELU, nn.ReLU6, nn.Sigmoid,
                   nn.Tanh, nn.Identity, nn.Hardtanh, nn.LeakyReLU, nn.ELU, nn.CELU, nn.GELU, nn.Softplus, nn.Softmax,
-                  nn.LogSoftmax, nn.Dropout, nn.AlphaDropout, nn.FeatureAlphaDropout, nn.Dropout1d, nn.Dropout2d,
-                  nn.Dropout3d, nn.GroupNorm, nn.LayerNorm, nn.BatchNorm1d, nn.InstanceNorm1d,
+                  nn.LogSoftmax, nn.Dropout, nn.AlphaDropout, nn.FeatureAlphaDropout, nn.GroupNorm, nn.LayerNorm,
+                  nn.BatchNorm1d, nn.InstanceNorm1d,
                   *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))
 
 
@@ -612,10 +601,9 @@ def _module_call(module: nn.Module, path: str):
         return F.softplus, (module.beta, module.threshold), {}
     if kind in (nn.Softmax, nn.LogSoftmax):
         return {nn.Softmax: F.softmax, nn.LogSoftmax: F.log_softmax}[kind], (module.dim,), {}
-    if kind in (nn.Dropout, nn.AlphaDropout, nn.FeatureAlphaDropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d):
-        fn = {nn.Dropout: F.dropout, nn.AlphaDropout: F.alpha_dropout, nn.FeatureAlphaDropout: F.feature_alpha_dropout,
-              nn.Dropout1d: F.dropout1d, nn.Dropout2d: F.dropout2d, nn.Dropout3d: F.dropout3d}[kind]
-        return fn, (module.p, module.training), {}
+    if kind in (nn.Dropout, nn.AlphaDropout, nn.FeatureAlphaDropout):
+        fn = {nn.Dropout: F.dropout, nn.AlphaDropout: F.alpha_dropout, nn.FeatureAlphaDropout: F.feature_alpha_dropout}
+        return fn[kind], (module.p, module.training), {}
     if kind is nn.GroupNorm:
         return F.group_norm, (module.num_groups, T("weight"), T("bias"), module.eps), {}
     if kind is nn.LayerNorm:
@@ -650,7 +638,8 @@ def _from_numpy_keywords(kwargs: dict, sig: inspect.Signature) -> dict:
     """`kwargs` with NumPy's names replaced by the signature's own."""
     def name(key):
         torch_name = _NUMPY_KEYWORDS.get(key)
-        return torch_name if torch_name in sig.parameters and key not in sig.parameters else key
+        renamed = torch_name in sig.parameters and key not in sig.parameters and torch_name not in kwargs
+        return torch_name if renamed else key  # `dim=1, axis=1` together stays an error, as in eager
     return {name(key): value for key, value in kwargs.items()}
 
 

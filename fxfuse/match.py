@@ -44,7 +44,7 @@ class Region:
     bias: Any                        # fx.Node | Attr | None
     params: list[Any]                # fx.Node | Attr, in $k order
     program: Program
-    check_matrix: bool = False       # mm / addmm with an input of unknown rank: the rewrite checks it is 2-D
+    check_matrix: bool = False       # mm / addmm: the rewritten graph checks at every call that x is 2-D
 
 
 class Boundary(str):
@@ -265,9 +265,6 @@ class _Growth:
         if not values:
             return f"{describe(node)} reads no value of the region"
         if c.op == IDENTITY:
-            problem = _rank_problem(node, c.attrs.get("rank_needed"), self.rank.get(values[0].index))
-            if problem:  # dropout1d-3d: eager checks the rank even where they return their input
-                return problem
             self.add_member(node, c)
             self.value[node] = values[0].index
             return None
@@ -436,7 +433,7 @@ def find_region(gm: fx.GraphModule, anchor: fx.Node, canon, facts: Facts):
         misses.insert(0, NearMiss(anchor, growth.members[n_members], first_cut_reason))
     region = Region(anchor, growth.members[:n_members], output, growth.x, growth.weight, growth.transpose_weight,
                     growth.bias, growth.params[:n_params], Program(tuple(growth.instructions[:n_instructions])),
-                    check_matrix=canon[anchor].attrs.get("matrix_input", False) and facts.rank(growth.x) is None)
+                    check_matrix=canon[anchor].attrs.get("matrix_input", False))
     problem = prove_legal(gm, region, facts) or _mutation_problem(region, canon, facts)
     if problem:
         return None, [NearMiss(anchor, anchor, problem)]
@@ -483,24 +480,30 @@ def _mutated_by(node: fx.Node, canon, gm: fx.GraphModule) -> list:
         if (node.kwargs.get("inplace") is True or inplace_module) and node.args:
             mutated.append(node.args[0])
     name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-    if node.op in ("call_method", "call_function") and isinstance(name, str) and name.endswith("_") \
-            and not name.startswith("_") and node.args:
-        mutated.append(node.args[0])
-    if node.op == "call_function" and node.target is operator.setitem:
-        mutated.append(node.args[0])
+    in_place_name = isinstance(name, str) and name.endswith("_") and not name.endswith("__")  # relu_, _foreach_mul_
+    if node.op in ("call_method", "call_function") and (in_place_name or node.target is operator.setitem) \
+            and node.args:
+        first = node.args[0]
+        mutated.extend(first if isinstance(first, (tuple, list)) else [first])  # _foreach_*_ take lists
     return [m for m in mutated if m is not None]
 
 
-def _bases(tensor, canon) -> list:
-    """`tensor` and what it may be a view of: back through the first input of every op but the epilogue ops and
-    GEMMs of the vocabulary, which make tensors of their own (`y[:, :]`, `y.view(-1)`, `y.t()` lead to `y`)."""
-    bases = [tensor]
-    while isinstance(tensor, fx.Node) and tensor.op in ("call_function", "call_method") and tensor.args:
-        c = canon.get(tensor)
+def _bases(tensor, canon) -> set:
+    """`tensor` and every tensor it may be a view of: back through the inputs of every op but the epilogue ops and
+    GEMMs of the vocabulary, which make tensors of their own (`y[:, :]`, `y.view(-1)`, `nn.Identity()(y)`,
+    `torch.broadcast_tensors(t, y)[1]` lead to `y`)."""
+    bases, stack = set(), [tensor]
+    while stack:
+        node = stack.pop()
+        if node in bases:
+            continue
+        bases.add(node)
+        if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method", "call_module"):
+            continue
+        c = canon.get(node)
         if c is not None and c.op not in (IDENTITY, COVERED) and c.inplace_of is None and not c.problem:
-            break
-        tensor = tensor.args[0]
-        bases.append(tensor)
+            continue
+        stack.extend(node.all_input_nodes)
     return bases
 
 

@@ -7,6 +7,8 @@ get ``gemm_epilogue_train`` (whose backward reuses the GEMM output it keeps), ot
 from __future__ import annotations
 
 import logging
+import math
+import numbers
 import operator
 import re
 
@@ -53,19 +55,31 @@ def require_eval_mode(module: nn.Module, path: str) -> None:
                            "(or use torch.compile(model, backend='fxfuse'), which recompiles on a mode change)")
 
 
+# Settings that don't change what a folded module computes: whether it writes its input (which only the region
+# reads), and BatchNorm's momentum (used in training only, which require_eval_mode guards).
+_NOT_COMPUTED_WITH = {"training", "inplace", "momentum"}
+
+
 def settings_of(module: nn.Module) -> dict:
     """A module's plain settings (LeakyReLU's slope, GroupNorm's eps, Dropout's p), which a fused op's program
     holds as they were when it was fused."""
-    plain = (bool, int, float, str, tuple)
-    return {name: value for name, value in vars(module).items()
-            if not name.startswith("_") and name != "training" and isinstance(value, plain)}
+    def python_value(value):  # the graph's code writes the settings as Python literals: NumPy's as Python's
+        return value.item() if isinstance(value, numbers.Number) and hasattr(value, "item") else value
+
+    plain = (numbers.Number, str, tuple)
+    return {name: python_value(value) for name, value in vars(module).items()
+            if not name.startswith("_") and name not in _NOT_COMPUTED_WITH and isinstance(value, plain)}
+
+
+def _same_setting(a, b) -> bool:
+    return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
 
 
 def require_settings(module: nn.Module, path: str, settings: dict) -> None:
     """Called by rewritten graphs for each module folded into a fused op: its settings are still the program's."""
     for name, value in settings.items():
         now = getattr(module, name, None)
-        if now != value:
+        if not _same_setting(now, value):
             raise RuntimeError(f"fxfuse: `{path}`.{name} was {value!r} when it was fused and is now {now!r}; "
                                "run fxfuse.optimize() on the model again")
 
@@ -77,13 +91,12 @@ def require_matrix(x: torch.Tensor) -> None:
         raise RuntimeError(f"self must be a matrix (mm and addmm take 2-D inputs; got {x.dim()}-D)")
 
 
-def number_as_tensor(value, like: torch.Tensor):
+def number_as_tensor(value):
     """Called by rewritten graphs for a forward argument that the matcher took for a tensor without example inputs:
-    a Python number passed there becomes a 0-d tensor of the GEMM input's dtype and device (as eager's op would
-    cast it), so that the fused op's tensor params can take it."""
-    if isinstance(value, (bool, int, float)):
-        return torch.tensor(value, dtype=like.dtype, device=like.device)
-    return value
+    a number passed there (Python's or NumPy's) becomes a 0-d CPU tensor, which torch's ops read at full precision
+    as they read a number, and which does not promote the result's dtype; the fused op's tensor params take it
+    (on a GPU, its reference runs)."""
+    return torch.tensor(value) if isinstance(value, numbers.Number) else value
 
 
 def _maybe_number(node) -> bool:
@@ -120,7 +133,7 @@ def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool)
         weight = _tensor_node(graph, region.weight)
         if region.transpose_weight:
             weight = graph.call_function(torch.t, (weight,))
-        params = [graph.call_function(number_as_tensor, (p, region.x)) if _maybe_number(p) else _tensor_node(graph, p)
+        params = [graph.call_function(number_as_tensor, (p,)) if _maybe_number(p) else _tensor_node(graph, p)
                   for p in region.params]
         args = (region.x, weight, _tensor_node(graph, region.bias), params, str(region.program))
         if training:

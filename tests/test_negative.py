@@ -515,6 +515,10 @@ def test_unannotated_argument_taken_for_a_tensor_also_takes_a_number(scale):
 
 
 EAGER_ERRORS = {
+    "sub-of-a-bool": (lambda m, x, y: torch.relu(m.fc(x)) - True, RuntimeError),
+    "layer_norm-of-the-input's-size": (lambda m, x, y: F.layer_norm(m.fc(x), x.shape[-1:]), RuntimeError),
+    "sum-with-dim-and-axis": (lambda m, x, y: m.fc(x).sum(dim=-1, axis=-1), TypeError),
+    "sum-with-a-positional-dtype": (lambda m, x, y: m.fc(x).sum(1, False, torch.float32), TypeError),
     "layer_norm-of-another-size": (lambda m, x, y: torch.relu(F.layer_norm(m.fc(x), (IN,))), RuntimeError),
     "rms_norm-of-another-size": (lambda m, x, y: torch.relu(F.rms_norm(m.fc(x), [OUT + 1])), RuntimeError),
     "hardtanh-min-above-max": (lambda m, x, y: F.hardtanh(m.fc(x), 2.0, 1.0), ValueError),
@@ -585,3 +589,77 @@ def test_module_setting_changed_after_optimizing_raises(change):
     setattr(model[1], "negative_slope" if change == "slope" else "p", 0.5)
     with pytest.raises(RuntimeError, match="when it was fused and is now 0.5"):
         optimized(x)
+
+
+def test_mm_optimized_for_matrices_raises_for_another_rank_as_eager():
+    model = GemmThen(EAGER_ERRORS["mm-of-3-D"][0]).eval()
+    optimized = fxfuse.optimize(model, (rows(),))
+    assert fused_op_count(optimized) == 1
+    with pytest.raises(RuntimeError, match="must be a matrix"):
+        optimized(torch.randn(2, BATCH, IN))
+
+
+def scale_identity_of_the_input(m, x, y):
+    h = m.fc(x)
+    m.ident(x).mul_(2.0)
+    return torch.relu(h)
+
+
+def scale_eval_dropout_of_the_input(m, x, y):
+    h = m.fc(x)
+    m.drop(x).mul_(2.0)
+    return torch.relu(h)
+
+
+def scale_the_input_by_foreach(m, x, y):
+    h = m.fc(x)
+    torch._foreach_mul_([x], 2.0)
+    return torch.relu(h)
+
+
+@pytest.mark.parametrize("epilogue", [scale_identity_of_the_input, scale_eval_dropout_of_the_input,
+                                      scale_the_input_by_foreach])
+def test_change_of_the_gemm_input_through_a_module_or_a_list_is_not_fused(epilogue):
+    model = GemmThen(epilogue, ident=nn.Identity(), drop=nn.Dropout(0.1)).eval()
+    x = rows()
+    with torch.no_grad():
+        expected = model(x.clone(), None)
+        optimized = fxfuse.optimize(model, (x.clone(), None))
+        actual = optimized(x.clone(), None)
+    assert fused_op_count(optimized) == 0
+    assert_close_report(actual, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("number", [2.5, 3, 100000.0, "np.float32", "np.int64", 2 + 1j],
+                         ids=["float", "int", "large", "np.float32", "np.int64", "complex"])
+def test_any_number_for_an_unannotated_argument_computes_as_eager(number, dtype):
+    """number_as_tensor makes a 0-d CPU tensor of it: read at full precision (100000 is no fp16 inf) and
+    promoting as a number does (a complex number makes the result complex, as eager)."""
+    np = pytest.importorskip("numpy")
+    if isinstance(number, complex) and dtype == torch.float16:
+        pytest.skip("eager has no complex-half division on the CPU")
+    number = {"np.float32": np.float32(2.5), "np.int64": np.int64(3)}.get(number, number)
+    model = GemmThen(lambda m, x, y: torch.relu(m.fc(x)) / y).to(dtype)
+    optimized = fxfuse.optimize(model)
+    x = rows(dtype=dtype)
+    with torch.no_grad():
+        assert_close_report(optimized(x, number), model(x, number))
+
+
+def test_module_settings_that_compute_nothing_may_change():
+    model = nn.Sequential(nn.Linear(IN, OUT), nn.LeakyReLU(float("nan")), nn.ReLU()).eval()
+    optimized = fxfuse.optimize(model)
+    model[2].inplace = True
+    x = rows()
+    with torch.no_grad():
+        assert_close_report(optimized(x), model(x))  # a NaN slope is the same setting; inplace computes nothing
+
+
+def test_numpy_module_setting_changed_after_optimizing_raises():
+    np = pytest.importorskip("numpy")
+    model = nn.Sequential(nn.Linear(IN, OUT), nn.LeakyReLU(np.float32(0.1))).eval()
+    optimized = fxfuse.optimize(model)
+    model[1].negative_slope = np.float32(0.5)
+    with pytest.raises(RuntimeError, match="negative_slope was 0.1"):
+        optimized(rows())

@@ -234,8 +234,6 @@ POINTWISE = [
     case("eval-AlphaDropout", "elu", lambda m, x, y: F.selu(m.drop(m.fc(x))), drop=nn.AlphaDropout(0.2).eval()),
     case("eval-FeatureAlphaDropout", "relu", lambda m, x, y: F.relu(m.drop(m.fc(x))),
          drop=nn.FeatureAlphaDropout(0.2).eval()),
-    case("eval-Dropout1d", "relu", lambda m, x, y: F.relu(m.drop(m.fc(x))), drop=nn.Dropout1d(0.5).eval()),
-    case("F.dropout1d-training=False", "relu", lambda m, x, y: F.relu(F.dropout1d(m.fc(x), 0.5, training=False))),
     case("F.alpha_dropout-training=False", "relu",
          lambda m, x, y: F.relu(F.alpha_dropout(m.fc(x), 0.1, training=False))),
     case("torch.dropout-train=False", "relu", lambda m, x, y: F.relu(torch.dropout(m.fc(x), 0.5, False))),
