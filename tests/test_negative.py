@@ -644,7 +644,7 @@ def test_any_number_for_an_unannotated_argument_computes_as_eager(number, dtype)
     optimized = fxfuse.optimize(model)
     x = rows(dtype=dtype)
     with torch.no_grad():
-        assert_close_report(optimized(x, number), model(x, number))
+        assert_close_report(optimized(x, number), model(x, number), atol=0.0)  # h / 1e5 is small, not 0
 
 
 def test_module_settings_that_compute_nothing_may_change():
