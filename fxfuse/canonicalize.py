@@ -695,14 +695,24 @@ def canonical_of(node: fx.Node, gm: fx.GraphModule) -> Canonical | None:
 
 
 def _redirect_inplace_uses(graph: fx.Graph, canon: dict[fx.Node, Canonical]) -> None:
-    """After `t.relu_()`, later readers of `t` read the in-place node instead: same tensor, explicit edge."""
+    """After `t.relu_()`, later readers of `t` read the in-place node instead: same tensor, explicit edge. In graph
+    order, so that each in-place op on a tensor takes its readers over from the one before it (`t.mul_(2)` then
+    `t.relu_()`: what reads `t` after both reads the relu_)."""
     position = {node: i for i, node in enumerate(graph.nodes)}
-    for node, c in canon.items():
-        target = c.inplace_of
-        if isinstance(target, fx.Node):
-            for user in list(target.users):
-                if user is not node and position[user] > position[node]:
-                    user.replace_input_with(target, node)
+    first_name: dict[fx.Node, fx.Node] = {}  # an in-place node -> the node that first named its tensor
+    latest: dict[fx.Node, fx.Node] = {}      # that first node -> the last in-place node on it so far
+    for node in graph.nodes:
+        c = canon.get(node)
+        target = c.inplace_of if c is not None else None
+        if not isinstance(target, fx.Node):
+            continue
+        tensor = first_name.get(target, target)
+        current = latest.get(tensor, tensor)
+        for user in list(current.users):
+            if user is not node and position[user] > position[node]:
+                user.replace_input_with(current, node)
+        latest[tensor] = node
+        first_name[node] = tensor
 
 
 def _refuse_inplace_on_aliases(graph: fx.Graph, canon: dict[fx.Node, Canonical]) -> None:

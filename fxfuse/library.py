@@ -174,20 +174,25 @@ def _setup_train_context(ctx, inputs, output):
     ctx.program = program
     ctx.num_inputs = len(inputs)
     ctx.set_materialize_grads(False)  # gemm_out's gradient is mostly undefined: no zeros tensor for it
+    ctx.linear_dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
     needs_x, needs_weight = x.requires_grad, weight.requires_grad
     ctx.save_for_backward(x if needs_weight else None, weight if needs_x else None, output[1], *params)
 
 
-def _linear_gradients(grad_y, x, weight, needs):
+def _linear_gradients(grad_y, x, weight, needs, dtypes):
     """The gradients of ``y = linear(x, weight, bias)`` for those of (x, weight, bias) flagged in `needs`, from
-    y's gradient; x may have leading dims. (x is read only for weight's gradient, weight only for x's.)"""
+    y's gradient; x may have leading dims. (x is read only for weight's gradient, weight only for x's.) Under
+    autocast the GEMM ran in a lower precision than `dtypes`, those of (x, weight, bias): its gradients are
+    computed in that precision and returned in theirs, as autocast's casts would."""
     needs_x, needs_weight, needs_bias = needs
     if grad_y is None:
         return None, None, None
+    x_dtype, weight_dtype, bias_dtype = dtypes
+    compute = grad_y.dtype
     grad_rows = grad_y.reshape(-1, grad_y.shape[-1])
-    grad_x = grad_y @ weight if needs_x else None
-    grad_weight = grad_rows.t() @ x.reshape(-1, x.shape[-1]) if needs_weight else None
-    grad_bias = grad_rows.sum(0) if needs_bias else None
+    grad_x = (grad_y @ weight.to(compute)).to(x_dtype) if needs_x else None
+    grad_weight = (grad_rows.t() @ x.reshape(-1, x.shape[-1]).to(compute)).to(weight_dtype) if needs_weight else None
+    grad_bias = grad_rows.sum(0).to(bias_dtype) if needs_bias else None
     return grad_x, grad_weight, grad_bias
 
 
@@ -202,7 +207,7 @@ def _train_backward(ctx, grad_output, grad_gemm_out):
         lambda epilogue_needs: epilogue_backward(grad_output, gemm_out, params, ctx.program, epilogue_needs))
     if grad_gemm_out is not None and any(linear_needs):
         grad_y = grad_gemm_out if grad_y is None else grad_y + grad_gemm_out
-    grad_x, grad_weight, grad_bias = _linear_gradients(grad_y, x, weight, linear_needs)
+    grad_x, grad_weight, grad_bias = _linear_gradients(grad_y, x, weight, linear_needs, ctx.linear_dtypes)
     return (grad_x, grad_weight, grad_bias, grad_params, None) + (None,) * (ctx.num_inputs - 5)
 
 

@@ -663,3 +663,26 @@ def test_numpy_module_setting_changed_after_optimizing_raises():
     model[1].negative_slope = np.float32(0.5)
     with pytest.raises(RuntimeError, match="negative_slope was 0.1"):
         optimized(rows())
+
+
+def scale_then_relu_in_place(m, x, y):
+    h = torch.tanh(m.fc(x))
+    h.mul_(2.0)
+    h.relu_()
+    return h - 0.5
+
+
+def three_in_place_ops(m, x, y):
+    h = m.fc(x)
+    h.mul_(3.0)
+    h.relu_()
+    h += 1.0
+    return h * 2.0
+
+
+@pytest.mark.parametrize("epilogue", [scale_then_relu_in_place, three_in_place_ops])
+def test_in_place_ops_one_after_another_on_one_tensor_fuse_in_order(epilogue):
+    """Each in-place op takes the tensor's later readers over from the one before it: what reads it after both
+    reads the last one's result."""
+    optimized = assert_whole_chain_fused(GemmThen(epilogue), (rows(),))
+    assert "relu" in fused_programs(optimized)[0]

@@ -396,3 +396,28 @@ def test_eval_mode_fusion_check_survives_torch_compile():
     model.train()  # the modules are shared: the optimized graph sees the change
     with pytest.raises(RuntimeError, match="was in eval mode when it was fused"):
         compiled(x)
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_mixed_precision_step_is_as_close_to_float64_as_eager(mode):
+    """The usual AMP loop: the forward under autocast (the GEMM in bf16, the weights kept in fp32), the backward
+    outside it. The gradients come back in the weights' dtype, as autocast's casts give them, and no further from
+    float64's than eager's (in eval mode the inference op's backward recomputes its forward, in fp32)."""
+    torch.manual_seed(0)
+    x, target = torch.randn(64, 32), torch.randn(64, 16)
+    model = nn.Sequential(nn.Linear(32, 16), nn.GELU(), nn.LayerNorm(16)).train(mode == "train")
+    optimized = fxfuse.optimize(model, (x,))
+    assert fused_op_count(optimized) == 1
+    reference = copy.deepcopy(model).double()
+    (reference(x.double()) * target.double()).sum().backward()
+    errors = {}
+    for name, module in (("eager", model), ("fxfuse", optimized)):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = module(x)
+        (out.float() * target).sum().backward()
+        assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+        errors[name] = [((p.grad.double() - r.grad).norm() / r.grad.norm()).item()
+                        for p, r in zip(model.parameters(), reference.parameters())]
+    for fused, eager in zip(errors["fxfuse"], errors["eager"]):
+        assert fused <= 2 * eager + 1e-3, (errors["fxfuse"], errors["eager"])
