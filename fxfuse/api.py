@@ -195,6 +195,7 @@ def _optimize(model: nn.Module, example_inputs, path: str, report: Report) -> nn
         return result
     if example_inputs is not None:
         _propagate_shapes(gm, example_inputs)
+    fused_before = len(report.fused)
     try:
         report.extend(fuse_graph(gm, path, training=_trains(model, example_inputs)))
     except Exception as error:  # never fail a model that runs in eager: keep it unfused, and say why
@@ -202,7 +203,11 @@ def _optimize(model: nn.Module, example_inputs, path: str, report: Report) -> nn
                        type(error).__name__, error, exc_info=logger.isEnabledFor(logging.DEBUG))
         report.skipped.append(MissRow(path or "<model>", type(model).__name__,
                                       f"fxfuse error, left unfused: {type(error).__name__}: {error}"))
-        return _trace(model)
+        return copy.copy(model)
+    if len(report.fused) == fused_before:
+        # Nothing to fuse: the model's own forward, not its trace, which would fix what Python decided while
+        # tracing (a torch.no_grad() block, `training=self.training`).
+        return copy.copy(model)
     return gm
 
 

@@ -686,3 +686,33 @@ def test_in_place_ops_one_after_another_on_one_tensor_fuse_in_order(epilogue):
     reads the last one's result."""
     optimized = assert_whole_chain_fused(GemmThen(epilogue), (rows(),))
     assert "relu" in fused_programs(optimized)[0]
+
+
+class FrozenFeatures(nn.Module):
+    """Features computed without gradients, then a head: nothing of it fuses (a Linear alone)."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Linear(IN, OUT)
+        self.head = nn.Linear(OUT, OUT)
+
+    def forward(self, x):
+        with torch.no_grad():
+            h = self.features(x)
+        return self.head(F.dropout(h, 0.5, training=self.training))
+
+
+def test_model_with_nothing_to_fuse_keeps_its_own_forward():
+    """A trace would fix what Python decided while tracing (the no_grad block, `training=self.training`): where
+    nothing fuses, optimize() returns the model's own forward."""
+    model = FrozenFeatures().eval()
+    optimized = fxfuse.optimize(model, (rows(),))
+    assert fused_op_count(optimized) == 0 and type(optimized) is FrozenFeatures
+    x = rows()
+    optimized(x).sum().backward()
+    assert model.features.weight.grad is None and model.head.weight.grad is not None
+    model.train(), optimized.train()
+    torch.manual_seed(0)
+    a = optimized(x)
+    torch.manual_seed(0)
+    assert_close_report(a, model(x))  # dropout is on in train mode, as in eager
