@@ -12,10 +12,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from variant_sources import load_kernels  # noqa: E402
 
 PROGRAMS = {
-    "mish": ("add(%0,$0);clamp(%1,-1.0,1.0);mish(%2);group_norm(%3,$1,$2,256,1e-05)", [(8192,)] * 3),
-    "min_bias": ("group_norm(%0,$0,$1,512,1e-05);amin(%1,1,True);add(%2,$2)", [(8192,), (8192,), (1, 8192, 1, 1)]),
+    "mish": ("add(%0,$0);hardtanh(%1,-1.0,1.0);mish(%2);group_norm(%3,$1,$2,256,1e-05)", [(8192,)] * 3),
+    "min_bias": ("group_norm(%0,$0,$1,512,1e-05);min_dim(%1,1,True);add(%2,$2)", [(8192,), (8192,), (1, 8192, 1, 1)]),
     "leaky_sum": ("group_norm(%0,$0,$1,512,1e-05);leaky_relu(%1,0.01);add(%2,%2)", [(8192,)] * 2),
-    "hardtanh": ("group_norm(%0,$0,$1,16,1e-05);clamp(%1,-2.0,2.0)", [(8192,)] * 2),
+    "hardtanh": ("group_norm(%0,$0,$1,16,1e-05);hardtanh(%1,-2.0,2.0)", [(8192,)] * 2),
 }
 
 

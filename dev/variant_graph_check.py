@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from variant_sources import load_kernels  # noqa: E402
 
 load_kernels(sys.argv[1])
-PROGRAM = "group_norm(%0,$0,$1,512,1e-05);amin(%1,1,True);add(%2,$2)"
+PROGRAM = "group_norm(%0,$0,$1,512,1e-05);min_dim(%1,1,True);add(%2,$2)"
 for dtype in (torch.float32, torch.bfloat16):
     x = torch.randn(1024, 1024, device="cuda", dtype=dtype)
     w = torch.randn(8192, 1024, device="cuda", dtype=dtype) * 1024 ** -0.5

@@ -217,18 +217,23 @@ def _clamp_max(a, inplace):
     return _clamp(a, inplace, None, a["max"])
 
 
+def _hardtanh_canonical(a, inplace, low, high):
+    """Hardtanh computes clamp's values, but its gradient is 0 on the bounds themselves (clamp's is 1 there)."""
+    low, high = _number(low, "hardtanh's min_val"), _number(high, "hardtanh's max_val")
+    if low > high:
+        raise NotFusible(f"hardtanh's min_val {low} is greater than its max_val {high} (eager raises)")
+    return Canonical("hardtanh", (a["input"],), {"min_val": low, "max_val": high}, inplace_of=_inplace(a, inplace))
+
+
 @spelling("(input, min_val=-1.0, max_val=1.0, inplace=False)", functions=(F.hardtanh,),
           inplace_functions=(F.hardtanh_,))
 def _hardtanh(a, inplace):
-    low, high = a["min_val"], a["max_val"]
-    if isinstance(low, (int, float)) and isinstance(high, (int, float)) and low > high:
-        raise NotFusible(f"hardtanh's min_val {low} is greater than its max_val {high} (eager raises)")
-    return _clamp(a, inplace, low, high)
+    return _hardtanh_canonical(a, inplace, a["min_val"], a["max_val"])
 
 
 @spelling("(input, inplace=False)", functions=(F.relu6,))
 def _relu6(a, inplace):
-    return _clamp(a, inplace, 0.0, 6.0)
+    return _hardtanh_canonical(a, inplace, 0.0, 6.0)
 
 
 @spelling("(input)", functions=(torch.square,), methods=("square",), inplace_functions=_optional("square_"),
@@ -425,7 +430,8 @@ _reduction("amin", (torch.amin,), ("amin",), "(input, dim=(), keepdim=False)")
 _reduction("logsumexp", (torch.logsumexp, torch.special.logsumexp), ("logsumexp",), "(input, dim, keepdim=False)")
 
 # torch.max(x, dim) / torch.min(x, dim) return (values, indices): the reduction is the `[0]` / `.values` node.
-_VALUES_OF = {"max": "amax", "min": "amin"}
+# Not amax / amin: those split a tied row's gradient between its extremes, these give it to the indexed one.
+_VALUES_OF = {"max": "max_dim", "min": "min_dim"}
 
 
 @spelling("(input, dim=None, keepdim=False)", functions=(torch.max, torch.min), methods=("max", "min"))
@@ -434,7 +440,7 @@ def _max_min(a, inplace):
 
 
 def _values_of(node: fx.Node) -> Canonical | None:
-    """`torch.min(x, 1, True)[0]` and `x.min(dim=1).values` are the row reduction amin."""
+    """`torch.min(x, 1, True)[0]` and `x.min(dim=1).values` are the row reduction min_dim."""
     if node.op != "call_function" or node.target not in (operator.getitem, builtins.getattr):
         return None
     source, key = node.args[0], node.args[1]

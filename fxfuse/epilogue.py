@@ -104,6 +104,13 @@ def clamp(x, *, min, max):
     return torch.clamp(x, min, max)
 
 
+@epilogue_op(POINTWISE, samples=({"min_val": -1.0, "max_val": 1.0}, {"min_val": 0.0, "max_val": 6.0},
+                                  {"min_val": -0.5, "max_val": -0.5}))
+def hardtanh(x, *, min_val, max_val):
+    # clamp's values; its gradient is 0 on the bounds, where clamp's is 1 (relu6 is hardtanh(x, 0, 6)).
+    return F.hardtanh(x, min_val, max_val)
+
+
 @epilogue_op(POINTWISE, samples=({"negative_slope": 0.01}, {"negative_slope": 0.2}))
 def leaky_relu(x, *, negative_slope):
     return F.leaky_relu(x, negative_slope)
@@ -236,6 +243,17 @@ def amax(x, *, dim, keepdim):
 @epilogue_op(REDUCTION, samples=_REDUCE_SAMPLES, feature_dim_attr="dim")
 def amin(x, *, dim, keepdim):
     return torch.amin(x, dim, keepdim)
+
+
+@epilogue_op(REDUCTION, samples=_REDUCE_SAMPLES, feature_dim_attr="dim")
+def max_dim(x, *, dim, keepdim):
+    # amax's values; the gradient goes to the one element torch.max's indices name (the first extreme or NaN).
+    return torch.max(x, dim, keepdim).values
+
+
+@epilogue_op(REDUCTION, samples=_REDUCE_SAMPLES, feature_dim_attr="dim")
+def min_dim(x, *, dim, keepdim):
+    return torch.min(x, dim, keepdim).values
 
 
 @epilogue_op(REDUCTION, samples=_REDUCE_SAMPLES, feature_dim_attr="dim")

@@ -176,6 +176,18 @@ __device__ __forceinline__ void binary_backward(const Ctx& ctx, const BackwardRo
   if (ins.other == OTHER_PARAM) gather_param_grad(ctx, state, ins.param[0], step, contrib, cross_warp);
 }
 
+#define FXFUSE_FIRST_INDEX_CASE(name, F) \
+  case OP_##name:                        \
+    return FirstIndexGradient<F>::value;
+__device__ __forceinline__ bool gives_gradient_to_first_index(uint8_t op) {
+  switch (op) {
+    FXFUSE_REDUCTION_OPS(FXFUSE_FIRST_INDEX_CASE)
+    default:
+      return false;
+  }
+}
+#undef FXFUSE_FIRST_INDEX_CASE
+
 // A norm or a reduction, from its statistic (s0, s1) per chunk (Statistic, epilogue_ops.cuh). After a reduction
 // the gradient is the row's one value, in every element.
 template <typename Ctx, int CHUNKS, int VEC>
@@ -260,6 +272,25 @@ __device__ __forceinline__ void backward_row_op(const Ctx& ctx, const BackwardRo
     }
     case Statistic::Max:
     case Statistic::Min: {
+      if (gives_gradient_to_first_index(ins.op)) {
+        // max_dim / min_dim: the whole gradient to the first element equal to the result (the first NaN where it
+        // is NaN), the one torch.max / torch.min's indices name; feature indices are exact in fp32
+#pragma unroll
+        for (int c = 0; c < CHUNKS; ++c)
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) {
+            const bool extreme = x[c][j] == s0[c] || (isnan(s0[c]) && isnan(x[c][j]));
+            work[c][j] = extreme ? static_cast<float>(ctx.element(c, j)) : INFINITY;
+          }
+        chunk_extrema<MinOp>(ctx, work, sum_a);
+        group_allreduce<MinOp>(sum_a, cpg, lpg, cross_warp);
+#pragma unroll
+        for (int c = 0; c < CHUNKS; ++c)
+#pragma unroll
+          for (int j = 0; j < VEC; ++j)
+            grad[c][j] = static_cast<float>(ctx.element(c, j)) == sum_a[c] ? grad[c][j] : 0.0f;
+        return;
+      }
       // amax / amin: the gradient split evenly between the elements equal to the result
 #pragma unroll
       for (int c = 0; c < CHUNKS; ++c)

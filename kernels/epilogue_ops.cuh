@@ -69,6 +69,15 @@ struct CallsLibm : std::false_type {};
 template <class F>
 struct CallsLibm<F, std::void_t<decltype(F::calls_libm)>> : std::bool_constant<F::calls_libm> {};
 
+// Whether a max or min reduction gives a row's gradient to the one element that torch.max / torch.min's indices
+// name, the first extreme (or first NaN), rather than splitting it between tied extremes as amax / amin do: it
+// says so with `static constexpr bool first_index_gradient = true`.
+template <class F, class = void>
+struct FirstIndexGradient : std::false_type {};
+template <class F>
+struct FirstIndexGradient<F, std::void_t<decltype(F::first_index_gradient)>>
+    : std::bool_constant<F::first_index_gradient> {};
+
 // ================================================================ unary pointwise: y = F::apply(x, attrs)
 // num_attrs: how many attributes follow the operand in the program text. F::backward(x, grad, attrs) is the
 // input's gradient for the output's gradient `grad`, as torch's autograd formula for the reference computes it
@@ -99,6 +108,15 @@ struct Clamp {
   __device__ static float backward(float x, float grad, const Attrs& a) {
     const float lower = low(a), upper = high(a);
     return x >= lower && x <= upper ? grad : 0.0f;  // false for a NaN x, as torch's mask
+  }
+};
+
+// fxfuse/epilogue.py::hardtanh (a0 = min_val, a1 = max_val): clamp's values, a gradient stopped on the bounds
+struct Hardtanh {
+  static constexpr int num_attrs = 2;
+  __device__ static float apply(float x, const Attrs& a) { return minimum(maximum(x, a.a0), a.a1); }
+  __device__ static float backward(float x, float grad, const Attrs& a) {
+    return x <= a.a0 || x >= a.a1 ? 0.0f : grad;  // a NaN x keeps its gradient, as torch's hardtanh_backward
   }
 };
 
@@ -396,6 +414,20 @@ struct Amin {
   __device__ static float result(float m, float, int) { return m; }
 };
 
+// fxfuse/epilogue.py::max_dim (amax's values; the gradient to one element, FirstIndexGradient)
+struct MaxDim {
+  static constexpr Statistic statistic = Statistic::Max;
+  static constexpr bool first_index_gradient = true;
+  __device__ static float result(float m, float, int) { return m; }
+};
+
+// fxfuse/epilogue.py::min_dim
+struct MinDim {
+  static constexpr Statistic statistic = Statistic::Min;
+  static constexpr bool first_index_gradient = true;
+  __device__ static float result(float m, float, int) { return m; }
+};
+
 // fxfuse/epilogue.py::logsumexp
 struct Logsumexp {
   static constexpr Statistic statistic = Statistic::MaxAndLogSumExp;
@@ -404,9 +436,9 @@ struct Logsumexp {
 
 // ================================================================ the tables: X(python_name, Functor)
 
-#define FXFUSE_UNARY_OPS(X)                                                                                     \
-  X(neg, Neg) X(relu, Relu) X(clamp, Clamp) X(leaky_relu, LeakyRelu) X(elu, Elu) X(gelu, Gelu) X(silu, Silu) \
-  X(mish, Mish) X(sigmoid, Sigmoid) X(tanh, Tanh) X(softplus, Softplus) X(hardswish, Hardswish)              \
+#define FXFUSE_UNARY_OPS(X)                                                                                    \
+  X(neg, Neg) X(relu, Relu) X(clamp, Clamp) X(hardtanh, Hardtanh) X(leaky_relu, LeakyRelu) X(elu, Elu) X(gelu, Gelu) \
+  X(silu, Silu) X(mish, Mish) X(sigmoid, Sigmoid) X(tanh, Tanh) X(softplus, Softplus) X(hardswish, Hardswish)       \
   X(hardsigmoid, Hardsigmoid) X(exp, Exp) X(log, Log) X(abs, Abs) X(pow, Pow)
 
 #define FXFUSE_BINARY_OPS(X) X(add, Add) X(sub, Sub) X(mul, Mul) X(div, Div)
@@ -416,6 +448,7 @@ struct Logsumexp {
 #define FXFUSE_NORM_OPS(X) \
   X(group_norm, GroupNorm) X(layer_norm, LayerNorm) X(rms_norm, RmsNorm) X(softmax, Softmax) X(log_softmax, LogSoftmax)
 
-#define FXFUSE_REDUCTION_OPS(X) X(sum, Sum) X(mean, Mean) X(amax, Amax) X(amin, Amin) X(logsumexp, Logsumexp)
+#define FXFUSE_REDUCTION_OPS(X) \
+  X(sum, Sum) X(mean, Mean) X(amax, Amax) X(amin, Amin) X(max_dim, MaxDim) X(min_dim, MinDim) X(logsumexp, Logsumexp)
 
 }  // namespace fxfuse

@@ -18,7 +18,7 @@
 // call libdevice (CallsLibm), whose code slowed every other program by 4-12% (variant 42). On whole rows, the
 // programs of FXFUSE_ROW_CHAINS (program_format.cuh) run chain_row_kernel instead: the same row loop with each
 // instruction's op fixed at compile time (fast_op), no dispatch (11-25% less time than interpreted, variant 57);
-// a chain's last whole-row amin folds by atomics in shared memory, without barriers (fold_row_min).
+// a chain's last whole-row min (amin or min_dim) folds by atomics in shared memory, without barriers (fold_row_min).
 //
 // Limits (fits_fast_row_kernel says whether a program qualifies; the launcher in gemm_epilogue.cpp falls back to
 // row_program_kernel otherwise): rows of whole 16-byte vectors, no slots, no batch_norm, groups that the lanes
@@ -348,12 +348,12 @@ __device__ __forceinline__ void fast_instruction(const Ctx& ctx, const Instructi
 
 // ================================================================ a last whole-row min without barriers
 
-// A chain whose last op is a whole-row amin (min + bias's), with one value per row out and rows across warps, runs
-// that op without the exchange between warps and its two barriers: each warp folds its part to one integer key
-// (one redux), its first lane merges the key into the row's slot in shared memory by an atomic min, and the row's
-// last warp to arrive stores the row's min. The slots, one per row the block takes, are set once at the start; the
-// launcher keeps the exchange where they would not fit. min_bias's row kernel: 12.0 -> 11.2 us fp32, 9.9 -> 9.2
-// bf16 (variants 89 and 91).
+// A chain whose last op is a whole-row min (amin or min_dim: min + bias's), with one value per row out and rows
+// across warps, runs that op without the exchange between warps and its two barriers: each warp folds its part to
+// one integer key (one redux), its first lane merges the key into the row's slot in shared memory by an atomic
+// min, and the row's last warp to arrive stores the row's min. The slots, one per row the block takes, are set
+// once at the start; the launcher keeps the exchange where they would not fit. min_bias's row kernel: 12.0 -> 11.2
+// us fp32, 9.9 -> 9.2 bf16 (variants 89 and 91).
 constexpr int kRowMinSlots = 512;
 
 struct RowMinSlot {
@@ -401,7 +401,7 @@ __device__ __forceinline__ void fold_row_min(const Ctx& ctx, const Values<CHUNKS
 // The row loop of both kernels. Block: (blockDim.x / TPR) rows of TPR threads; each block takes every gridDim.x-th
 // group of rows. Staging slot c of thread t is vector c * blockDim.x + t of the dynamic shared memory (stage_row,
 // unstage_chunks). run_program(ctx, cur, shared) applies the program to one row's values; MIN_BY_ATOMICS: all but
-// its last op, a whole-row amin, which fold_row_min then runs and stores.
+// its last op, a whole-row min, which fold_row_min then runs and stores.
 template <class S, bool WHOLE_ROWS, bool MIN_BY_ATOMICS = false, class RunProgram>
 __device__ __forceinline__ void run_rows(const RowProgram& prog, RunProgram run_program) {
   constexpr int VEC = S::VEC;
@@ -468,13 +468,13 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1) fast_row_kernel(const __gri
 // A chain of FXFUSE_ROW_CHAINS (program_format.cuh) on whole rows, compiled whole: instruction pc's op is OPS[pc],
 // so there is no dispatch and no switch join between the ops; attributes, params and group shapes still come from
 // the program.
-// MIN_BY_ATOMICS: the last op, a whole-row amin, runs as fold_row_min (the launcher sets row_min_slots).
+// MIN_BY_ATOMICS: the last op, a whole-row min, runs as fold_row_min (the launcher sets row_min_slots).
 template <class S, bool MIN_BY_ATOMICS, Opcode... OPS>
 __global__ void __launch_bounds__(kMaxRowThreads, 1) chain_row_kernel(const __grid_constant__ RowProgram prog) {
   constexpr Opcode kOps[] = {OPS...};
   constexpr int kLast = sizeof...(OPS) - 1;
   if constexpr (MIN_BY_ATOMICS) {
-    static_assert(kOps[kLast] == OP_amin, "the build that folds a last amin by atomics");
+    static_assert(statistic_of(kOps[kLast]) == Statistic::Min, "the build that folds a last row min by atomics");
     run_rows<S, true, true>(prog, [&](const auto& ctx, auto& cur, auto& shared) {
       int pc = 0;
       (((pc < kLast ? fast_op<S, true, OPS>(ctx, prog.code[pc], cur, shared) : void()), ++pc), ...);
@@ -491,11 +491,11 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1) chain_row_kernel(const __gr
 
 using RowKernel = void (*)(RowProgram);
 
-// The chain's build that folds its last amin by atomics, or nullptr where the last op is not an amin.
+// The chain's build that folds its last row min by atomics, or nullptr where the last op is not a row min.
 template <class S, Opcode... OPS>
 RowKernel row_min_build() {
   constexpr Opcode kOps[] = {OPS...};
-  if constexpr (kOps[sizeof...(OPS) - 1] == OP_amin) return chain_row_kernel<S, true, OPS...>;
+  if constexpr (statistic_of(kOps[sizeof...(OPS) - 1]) == Statistic::Min) return chain_row_kernel<S, true, OPS...>;
   else return nullptr;
 }
 

@@ -569,7 +569,7 @@ __device__ __forceinline__ void compute_statistic(const Ctx& ctx, const Instruct
 #define FXFUSE_STATISTIC_CASE(name, F) \
   case OP_##name:                      \
     return F::statistic;
-__device__ __forceinline__ Statistic statistic_of(uint8_t op) {
+__host__ __device__ constexpr Statistic statistic_of(uint8_t op) {
   switch (op) {
     FXFUSE_NORM_OPS(FXFUSE_STATISTIC_CASE)
     FXFUSE_REDUCTION_OPS(FXFUSE_STATISTIC_CASE)

@@ -65,10 +65,10 @@ struct Instruction {
 // and about 0.6 s of nvcc per arch in each fast translation unit (row_fast_bf16.cu for sm_90a: 32.8 s without
 // these four, 35.3 s with them).
 #define FXFUSE_ROW_CHAINS(X)              \
-  X(OP_group_norm, OP_clamp)              \
+  X(OP_group_norm, OP_hardtanh)           \
   X(OP_group_norm, OP_leaky_relu, OP_add) \
-  X(OP_group_norm, OP_amin)               \
-  X(OP_add, OP_clamp, OP_mish, OP_group_norm)
+  X(OP_group_norm, OP_min_dim)            \
+  X(OP_add, OP_hardtanh, OP_mish, OP_group_norm)
 
 // The tail programs compiled whole (broadcast_tail_kernel's CHAIN): one binary op of the row phase's result and a
 // param (the min + bias example's `+ bias`); the launcher checks that the second operand is a param.
@@ -119,7 +119,7 @@ struct RowProgram {
   int32_t threads_per_row;  // TPR, a power of 2 from 32
   int32_t group_shared_floats;  // dynamic shared memory of the GROUP_SHARED rows, before the staged params
   int32_t staging_vector;       // set by the launcher: the staging slots' first 16-byte vector in shared memory
-  int32_t row_min_slots;        // set by the launcher: > 0, a chain's last whole-row amin folds by atomics (fast_row)
+  int32_t row_min_slots;        // set by the launcher: > 0, a chain's last whole-row min folds by atomics (fast_row)
   bool vector_io;           // features % VEC == 0: 16-byte loads and stores of the row
   bool output_per_row;      // write one value per row
   bool tail_follows;        // a broadcast tail runs next: let it launch at once (allow_next_kernel_to_start)

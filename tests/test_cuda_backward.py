@@ -120,6 +120,19 @@ def test_each_op_backward(name, precision, caplog):
                        fallback=DECLINED_OPS.get(name), needs=needs)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"], indirect=True)
+@pytest.mark.parametrize("program", ["hardtanh(%0,-2.0,2.0)", "clamp(%0,-2.0,2.0)", "max_dim(%0,-1,True)",
+                                     "min_dim(%0,1,False)", "amax(%0,-1,True)", "amin(%0,1,False)"])
+def test_backward_on_bounds_and_ties(program, precision, caplog):
+    """Small integers as the GEMM output: values exactly on the bounds, where hardtanh's gradient (0) and clamp's
+    (1) part, and rows whose extreme is tied between many features, where max_dim and min_dim give the row's
+    gradient to the first of them (to the first NaN, in the rows with NaNs) and amax and amin split it."""
+    dtype = DTYPES[precision]
+    gemm_out = torch.randint(-3, 4, (300, 1024), device="cuda").to(dtype)
+    gemm_out[7, 100] = gemm_out[7, 900] = gemm_out[8, 5] = float("nan")
+    check_backward(program, gemm_out, [], bound_for(precision), caplog)
+
+
 # ---------------------------------------------------------------- shapes and group counts
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"], indirect=True)
@@ -129,7 +142,7 @@ def test_backward_shapes_and_group_counts(m, n, precision, caplog):
     dtype = DTYPES[precision]
     vector = 128 // torch.finfo(dtype).bits  # elements per 16 bytes
     for groups in [g for g in (1, 16, 256, 512) if n % g == 0]:
-        program = f"add(%0,$0);clamp(%1,-1.0,1.0);mish(%2);group_norm(%3,$1,$2,{groups},1e-05)"
+        program = f"add(%0,$0);hardtanh(%1,-1.0,1.0);mish(%2);group_norm(%3,$1,$2,{groups},1e-05)"
         params = [torch.randn(n, device="cuda").to(dtype) for _ in range(3)]
         off_grid = (n // groups) % vector != 0  # groups smaller than a 16-byte vector, or straddling them
         check_backward(program, gemm_output(m, n, dtype), params, bound_for(precision), caplog,

@@ -26,10 +26,10 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
 BOUNDS = {"fp32": 1e-5, "tf32": 5e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 EXAMPLES = {
-    "linear_hardtanh_mish_groupnorm": "add(%0,$0);clamp(%1,-1.0,1.0);mish(%2);group_norm(%3,$1,$2,256,1e-05)",
-    "linear_groupnorm_min_bias": "group_norm(%0,$0,$1,512,1e-05);amin(%1,1,True);add(%2,$2)",
+    "linear_hardtanh_mish_groupnorm": "add(%0,$0);hardtanh(%1,-1.0,1.0);mish(%2);group_norm(%3,$1,$2,256,1e-05)",
+    "linear_groupnorm_min_bias": "group_norm(%0,$0,$1,512,1e-05);min_dim(%1,1,True);add(%2,$2)",
     "linear_groupnorm_leakyrelu_sum": "group_norm(%0,$0,$1,512,1e-05);leaky_relu(%1,0.01);add(%2,%2)",
-    "linear_groupnorm_hardtanh": "group_norm(%0,$0,$1,16,1e-05);clamp(%1,-2.0,2.0)",
+    "linear_groupnorm_hardtanh": "group_norm(%0,$0,$1,16,1e-05);hardtanh(%1,-2.0,2.0)",
 }
 
 
@@ -226,7 +226,7 @@ def test_special_values_come_out_as_in_the_reference(name, dtype):
 def test_shapes_and_group_counts(m, n, precision):
     dtype = DTYPES[precision]
     for groups in [g for g in (1, 16, 256, 512) if n % g == 0]:
-        program = f"add(%0,$0);clamp(%1,-1.0,1.0);mish(%2);group_norm(%3,$1,$2,{groups},1e-05)"
+        program = f"add(%0,$0);hardtanh(%1,-1.0,1.0);mish(%2);group_norm(%3,$1,$2,{groups},1e-05)"
         x, weight, bias = linear_inputs(m, 257, n, dtype)
         params = [torch.randn(n, device="cuda").to(dtype) for _ in range(3)]
         run_and_check(program, x, weight, bias, params, bound_for(precision))
@@ -257,11 +257,12 @@ def test_rows_that_are_not_whole_vectors(n, precision):
 ROW_KERNEL_CHOICES = [  # (program, n, param kinds, the row kernel that must run)
     # the fast kernel: "fast", then "whole" (rows of TPR * 16 values) or "part", then "all" (every unary op compiled
     # in) or "light" (none that calls libdevice)
-    # "chain": a program of FXFUSE_ROW_CHAINS on whole rows, compiled whole ("min by atomics": its last amin)
-    ("add(%0,$0);clamp(%1,-1.0,1.0);mish(%2);group_norm(%3,$1,$2,16,1e-05)", 1024, ["feature", "affine"], "chain"),
-    ("group_norm(%0,$0,$1,512,1e-05);amin(%1,1,True)", 8192, ["affine"], "chain, min by atomics"),
-    ("group_norm(%0,$0,$1,1,1e-05);clamp(%1,-2.0,2.0)", 1000, ["affine"], "fast part light"),  # a chain, part rows
-    ("group_norm(%0,$0,$1,16,1e-05);clamp(%1,-2.0,2.0);relu(%2)", 1024, ["affine"], "fast whole light"),  # longer
+    # "chain": a program of FXFUSE_ROW_CHAINS on whole rows, compiled whole ("min by atomics": its last row min)
+    ("add(%0,$0);hardtanh(%1,-1.0,1.0);mish(%2);group_norm(%3,$1,$2,16,1e-05)", 1024, ["feature", "affine"], "chain"),
+    ("group_norm(%0,$0,$1,512,1e-05);min_dim(%1,1,True)", 8192, ["affine"], "chain, min by atomics"),
+    ("group_norm(%0,$0,$1,512,1e-05);amin(%1,1,True)", 8192, ["affine"], "fast whole light"),  # not a chain
+    ("group_norm(%0,$0,$1,1,1e-05);hardtanh(%1,-2.0,2.0)", 1000, ["affine"], "fast part light"),  # a chain, part rows
+    ("group_norm(%0,$0,$1,16,1e-05);hardtanh(%1,-2.0,2.0);relu(%2)", 1024, ["affine"], "fast whole light"),
     ("gelu(%0,'none');layer_norm(%1,$0,$1,1e-05)", 1000, ["affine"], "fast part all"),
     ("exp(%0);group_norm(%1,$0,$1,4,1e-05)", 2048, ["affine"], "fast whole all"),  # groups of 512 across warps
     ("layer_norm(%0,$0,$1,1e-05);relu(%1)", 4096, ["affine"], "fast whole light"),  # whole rows across warps
@@ -274,7 +275,7 @@ ROW_KERNEL_CHOICES = [  # (program, n, param kinds, the row kernel that must run
 
 
 def row_kernel_kind(name: str) -> str:
-    """"chain" ("chain, min by atomics" for its build that folds a last amin by atomics), "fast whole light" and
+    """"chain" ("chain, min by atomics" for its build that folds a last row min by atomics), "fast whole light" and
     the like for the fast kernel (its template flags), else "general" or "lean"."""
     if "chain_row_kernel" in name:
         return "chain, min by atomics" if ", true," in name else "chain"
@@ -299,7 +300,7 @@ def test_the_fastest_row_kernel_that_takes_the_program_runs(case, precision):
 
 
 def rows_past_the_row_min_slots(threads_per_block):
-    """More rows than the 512 slots a block has for a chain's last amin (kRowMinSlots, fast_row.cuh) can take
+    """More rows than the 512 slots a block has for a chain's last row min (kRowMinSlots, fast_row.cuh) can take
     with as many blocks as the GPU can hold at once."""
     properties = torch.cuda.get_device_properties(torch.cuda.current_device())
     most_blocks = properties.multi_processor_count * properties.max_threads_per_multi_processor // threads_per_block
@@ -309,14 +310,14 @@ def rows_past_the_row_min_slots(threads_per_block):
 @pytest.mark.parametrize("precision", ["fp32", "bf16"], indirect=True)
 @pytest.mark.parametrize("rows", ["one", "a thousand", "past the slots"])
 def test_a_chains_last_row_min_folds_by_atomics_while_its_slots_last(rows, precision):
-    """group_norm then a whole-row amin, rows across two warps: each warp's min merges into its row's slot in shared
-    memory by an atomic min, a NaN anywhere in the row winning as in torch's amin, and the row's last warp stores
+    """group_norm then a whole-row min, rows across two warps: each warp's min merges into its row's slot in shared
+    memory by an atomic min, a NaN anywhere in the row winning as in torch's min, and the row's last warp stores
     it. One row leaves the block's other three rows idle; past the block's 512 slots the exchange between warps
     runs instead."""
     dtype = DTYPES[precision]
     n = 1024  # 64 threads a row, 4 rows a block of 256 threads
     m = {"one": 1, "a thousand": 1000, "past the slots": rows_past_the_row_min_slots(threads_per_block=256)}[rows]
-    program = "group_norm(%0,$0,$1,16,1e-05);amin(%1,1,True)"
+    program = "group_norm(%0,$0,$1,16,1e-05);min_dim(%1,1,True)"
     x, weight, bias = linear_inputs(m, 16, n, dtype)
     nan_row = m // 2
     x[nan_row, 3] = float("nan")  # the row's GEMM output, its groups and its min are NaN
@@ -377,7 +378,7 @@ def test_every_chain_runs_its_own_kernel(precision):
         variants = max([len(EPILOGUE_OPS[name].samples) for name in chain] + [4])
         for variant in range(variants):
             program, kinds = chain_program(chain, variant)
-            expected = "chain, min by atomics" if chain[-1] == "amin" else "chain"
+            expected = "chain, min by atomics" if chain[-1] in ("amin", "min_dim") else "chain"
             for n in (1024, 8192):
                 x, weight, bias = linear_inputs(37, 65, n, dtype)
                 params = [p for kind in kinds for p in make_params(kind, 37, n, dtype)]
@@ -416,7 +417,7 @@ def check_long_rows(n, precision, caplog, device="cuda"):
     dtype = DTYPES[precision]
     x, weight, bias = linear_inputs(300, 129, n, dtype, device=device)
     params = [torch.randn(n, device=device).to(dtype) for _ in range(3)]
-    program = "add(%0,$0);clamp(%1,-1.0,1.0);mish(%2);group_norm(%3,$1,$2,16,1e-05)"
+    program = "add(%0,$0);hardtanh(%1,-1.0,1.0);mish(%2);group_norm(%3,$1,$2,16,1e-05)"
     with caplog.at_level(logging.DEBUG, logger="fxfuse"):
         run_and_check(program, x, weight, bias, params, bound_for(precision))
     assert not caplog.records, [r.getMessage() for r in caplog.records]  # the kernels ran, not the fallback

@@ -153,7 +153,7 @@ NOT_ROW_LOCAL = {
     "log_softmax-over-dim-1-of-3-D": (lambda m, x, y: torch.log_softmax(m.fc(x), 1), "log_softmax over dim 1"),
     "amax-over-all": (lambda m, x, y: m.fc(x).amax(), "amax over all dims"),
     "sum-of-everything": (lambda m, x, y: m.fc(x).sum(), "sum without a dim reduces the whole tensor"),
-    "max-over-batch": (lambda m, x, y: torch.max(m.fc(x), 0)[0], "amax over dim 0"),
+    "max-over-batch": (lambda m, x, y: torch.max(m.fc(x), 0)[0], "max_dim over dim 0"),
     "logsumexp-two-dims": (lambda m, x, y: torch.logsumexp(m.fc(x), (0, 1)), "logsumexp over 2 dims"),
     "layer_norm-two-dims": (lambda m, x, y: F.layer_norm(m.fc(x), (5, OUT)), "layer_norm over 2 dims"),
     "group_norm-on-3-D": (lambda m, x, y: F.group_norm(m.fc(x), 5), "group_norm on a 3-D output"),

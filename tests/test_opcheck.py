@@ -22,9 +22,9 @@ def programs():
     """name -> (program, x shape, has bias, param shapes)."""
     return {
         "relu": ("relu(%0)", (3, K), True, []),
-        "workload-1": ("add(%0,$0);clamp(%1,-1.0,1.0);mish(%2);group_norm(%3,$1,$2,4,1e-05)",
+        "workload-1": ("add(%0,$0);hardtanh(%1,-1.0,1.0);mish(%2);group_norm(%3,$1,$2,4,1e-05)",
                        (3, K), True, [(N,), (N,), (N,)]),
-        "workload-2-broadcast": ("group_norm(%0,$0,$1,3,1e-05);amin(%1,1,True);add(%2,$2)",
+        "workload-2-broadcast": ("group_norm(%0,$0,$1,3,1e-05);min_dim(%1,1,True);add(%2,$2)",
                                  (5, K), True, [(N,), (N,), (1, N, 1, 1)]),
         "workload-3-residual": ("group_norm(%0,$0,$1,6,1e-05);leaky_relu(%1,0.01);add(%2,%2)",
                                 (4, K), True, [(N,), (N,)]),

@@ -421,3 +421,43 @@ def test_mixed_precision_step_is_as_close_to_float64_as_eager(mode):
                         for p, r in zip(model.parameters(), reference.parameters())]
     for fused, eager in zip(errors["fxfuse"], errors["eager"]):
         assert fused <= 2 * eager + 1e-3, (errors["fxfuse"], errors["eager"])
+
+
+class _OnBoundsAndTies(nn.Module):
+    """Integer weights and inputs: the GEMM output is small integers, so Hardtanh(-2, 2) and ReLU6 see values
+    exactly on their bounds, and the rows' max and min are tied between several features."""
+
+    def __init__(self, tail):
+        super().__init__()
+        self.fc = nn.Linear(6, 12)
+        self.tail = tail
+        with torch.no_grad():
+            self.fc.weight.copy_(torch.randint(-1, 2, self.fc.weight.shape))
+            self.fc.bias.copy_(torch.randint(-1, 2, self.fc.bias.shape))
+
+    def forward(self, x):
+        return self.tail(self.fc(x))
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("spelling, canonical", [
+    (lambda h: nn.functional.hardtanh(h, -2.0, 2.0), "hardtanh"),
+    (lambda h: nn.functional.relu6(h * 3.0), "hardtanh"),
+    (lambda h: torch.clamp(h, -2.0, 2.0), "clamp"),
+    (lambda h: torch.max(h, 1).values, "max_dim"),
+    (lambda h: torch.min(h, -1, keepdim=True)[0] * 2.0, "min_dim"),
+    (lambda h: torch.amax(h, 1), "amax"),
+], ids=["hardtanh", "relu6", "clamp", "max.values", "min[0]", "amax"])
+def test_gradients_on_bounds_and_ties_are_eagers(spelling, canonical, mode):
+    """Hardtanh's gradient is 0 on its bounds and clamp's is 1; torch.max(h, dim) gives a tied row's gradient
+    to the first extreme element and amax splits it: each spelling keeps its own, exactly."""
+    torch.manual_seed(0)
+    model = _OnBoundsAndTies(spelling).train(mode == "train")
+    x = torch.randint(-2, 3, (16, 6)).float()
+    h = model.fc(x)
+    assert (h == 2).any() and (h == -2).any(), "values on the bounds"
+    assert ((h == h.amax(1, keepdim=True)).sum(1) > 1).any() and ((h == h.amin(1, keepdim=True)).sum(1) > 1).any()
+    optimized = fxfuse.optimize(model, (x,))
+    (program,) = [row.program for row in optimized.fxfuse_report.fused]
+    assert f"{canonical}(" in program, program
+    assert_gradients_match(model, optimized, [x], rtol=0, atol=0)
