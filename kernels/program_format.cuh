@@ -61,14 +61,18 @@ struct Instruction {
 
 // The opcode sequences that get a kernel of their own on rows of TPR * 16 values (chain_row_kernel in
 // fast_row.cuh); any other program is interpreted. These are the epilogues of the bundled examples, whose row
-// kernels take 11-25% less time this way on the H100 (dev/NOTES.md, variant 57). Adding a chain is one line here
-// and about 0.6 s of nvcc per arch in each fast translation unit (row_fast_bf16.cu for sm_90a: 32.8 s without
-// these four, 35.3 s with them).
-#define FXFUSE_ROW_CHAINS(X)              \
-  X(OP_group_norm, OP_hardtanh)           \
-  X(OP_group_norm, OP_leaky_relu, OP_add) \
-  X(OP_group_norm, OP_min_dim)            \
-  X(OP_add, OP_hardtanh, OP_mish, OP_group_norm)
+// kernels take 11-25% less time this way on the H100 (dev/NOTES.md, variant 57), first as the examples spell
+// them (nn.Hardtanh, torch.min(h, 1)[0]), then with torch.clamp and torch.amin, which compute the same values.
+// Adding a chain is one line here and about 0.6 s of nvcc per arch in each fast translation unit (row_fast_bf16.cu
+// for sm_90a: 32.8 s without the first four, 35.3 s with them).
+#define FXFUSE_ROW_CHAINS(X)                     \
+  X(OP_group_norm, OP_hardtanh)                  \
+  X(OP_group_norm, OP_leaky_relu, OP_add)        \
+  X(OP_group_norm, OP_min_dim)                   \
+  X(OP_add, OP_hardtanh, OP_mish, OP_group_norm) \
+  X(OP_group_norm, OP_clamp)                     \
+  X(OP_group_norm, OP_amin)                      \
+  X(OP_add, OP_clamp, OP_mish, OP_group_norm)
 
 // The tail programs compiled whole (broadcast_tail_kernel's CHAIN): one binary op of the row phase's result and a
 // param (the min + bias example's `+ bias`); the launcher checks that the second operand is a param.

@@ -25,11 +25,6 @@ def hardswish_from_relu6(x):
     return x * F.relu6(x + 3.0) / 6.0
 
 
-@idiom("hardswish")
-def hardswish_from_clamp(x):  # relu6 is a hardtanh, a canonical op of its own: the clamp is another spelling
-    return x * torch.clamp(x + 3.0, 0.0, 6.0) / 6.0
-
-
 @idiom("gelu", approximate="tanh")
 def gelu_tanh_spelled_out(x):
     return 0.5 * x * (1.0 + torch.tanh(0.7978845608028654 * (x + 0.044715 * torch.pow(x, 3.0))))

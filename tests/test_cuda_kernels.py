@@ -260,7 +260,7 @@ ROW_KERNEL_CHOICES = [  # (program, n, param kinds, the row kernel that must run
     # "chain": a program of FXFUSE_ROW_CHAINS on whole rows, compiled whole ("min by atomics": its last row min)
     ("add(%0,$0);hardtanh(%1,-1.0,1.0);mish(%2);group_norm(%3,$1,$2,16,1e-05)", 1024, ["feature", "affine"], "chain"),
     ("group_norm(%0,$0,$1,512,1e-05);min_dim(%1,1,True)", 8192, ["affine"], "chain, min by atomics"),
-    ("group_norm(%0,$0,$1,512,1e-05);amin(%1,1,True)", 8192, ["affine"], "fast whole light"),  # not a chain
+    ("group_norm(%0,$0,$1,512,1e-05);amin(%1,1,True)", 8192, ["affine"], "chain, min by atomics"),
     ("group_norm(%0,$0,$1,1,1e-05);hardtanh(%1,-2.0,2.0)", 1000, ["affine"], "fast part light"),  # a chain, part rows
     ("group_norm(%0,$0,$1,16,1e-05);hardtanh(%1,-2.0,2.0);relu(%2)", 1024, ["affine"], "fast whole light"),
     ("gelu(%0,'none');layer_norm(%1,$0,$1,1e-05)", 1000, ["affine"], "fast part all"),

@@ -40,7 +40,6 @@ BUILT_IN = {
     "mish: x*F.softplus(x).tanh()": (on_gemm(lambda h: h * F.softplus(h).tanh()), "mish(%0)"),
     "mish: x*tanh(softplus(x, beta=1, threshold=20))": (
         on_gemm(lambda h: h * torch.tanh(F.softplus(h, 1.0, 20.0))), "mish(%0)"),
-    "hardswish: x*clamp(x+3,0,6)/6": (on_gemm(lambda h: h * torch.clamp(h + 3.0, 0.0, 6.0) / 6.0), "hardswish(%0)"),
     "hardswish: x*F.hardtanh(x+3,0,6)/6": (on_gemm(lambda h: h * F.hardtanh(h + 3, 0, 6) / 6), "hardswish(%0)"),
     "gelu-tanh spelled out": (on_gemm(lambda h: 0.5 * h * (1.0 + torch.tanh(
         0.7978845608028654 * (h + 0.044715 * torch.pow(h, 3.0))))), "gelu(%0,'tanh')"),
@@ -68,6 +67,9 @@ NOT_THE_IDIOM = {
     "x*sigmoid(2x) is not silu": (on_gemm(lambda h: h * torch.sigmoid(h * 2.0)), "silu"),
     "x*tanh(softplus(x, beta=2)) is not mish": (on_gemm(lambda h: h * torch.tanh(F.softplus(h, beta=2.0))), "mish"),
     "x*relu6(x+2)/6 is not hardswish": (on_gemm(lambda h: h * F.relu6(h + 2.0) / 6.0), "hardswish"),
+    # clamp's gradient on its bounds is 1, relu6's (and hardswish's at -3 and 3) 0: not the same function's
+    "x*clamp(x+3,0,6)/6 is not hardswish": (on_gemm(lambda h: h * torch.clamp(h + 3.0, 0.0, 6.0) / 6.0),
+                                            "hardswish"),
     "gelu with another constant is not gelu": (on_gemm(lambda h: 0.5 * h * (1.0 + torch.tanh(
         0.79 * (h + 0.044715 * torch.pow(h, 3.0))))), "gelu"),
 }
