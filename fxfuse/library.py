@@ -211,20 +211,86 @@ def _train_backward(ctx, grad_output, grad_gemm_out):
     return (grad_x, grad_weight, grad_bias, grad_params, None) + (None,) * (ctx.num_inputs - 5)
 
 
-def _define(name: str, schema: str, implementation, fake=None, backward=None, setup_context=None) -> None:
-    """One op: its schema, its reference for every device, its fake implementation and its autograd, if any."""
+# ---------------------------------------------------------------- autocast
+
+_AUTOCAST_DEVICES = ("cuda", "cpu")
+_autocast_result_dtypes: dict = {}
+
+
+def _in_lower_precision(t, dtype):
+    """What autocast makes of a tensor for an op it runs in `dtype`: floating tensors but float64 cast, and 0-d
+    ones (scalars passed as tensors) kept, so that they round no further than the numbers eager would use."""
+    if t is None or not t.is_floating_point() or t.dtype == torch.float64 or t.dim() == 0:
+        return t
+    return t.to(dtype)
+
+
+def _eager_result_dtype(program, x, weight, bias, params, device_type, dtype) -> torch.dtype:
+    """The dtype eager's ops give the program's result under autocast: linear in `dtype`, then each op by
+    autocast's own policy for it (on CUDA layer_norm, group_norm, softmax, exp... run in float32) and type
+    promotion (an fp32 parameter added to the bf16 GEMM output gives fp32). Found once per program, dtypes and
+    device type, by running the reference on fake tensors under autocast (shapes that broadcast as the real ones
+    do: the features kept, other dims 1)."""
+    tensors = [x, weight, bias, *params]
+    key = (program, device_type, dtype, tuple(None if t is None else (t.dtype, t.dim()) for t in tensors))
+    if key not in _autocast_result_dtypes:
+        from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+        from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+        features = weight.shape[0]
+        shapes = [[1] * (x.dim() - 1) + [weight.shape[1]], weight.shape, None if bias is None else bias.shape]
+        shapes += [[d if isinstance(d, int) and d in (1, features) else 1 for d in p.shape] for p in params]
+        with disable_proxy_modes_tracing(), unset_fake_temporarily(), FakeTensorMode():
+            fake_x, fake_weight, fake_bias, *fake_params = [
+                None if t is None else torch.empty(shape, dtype=t.dtype, device=t.device)
+                for t, shape in zip(tensors, shapes)]
+            with torch.autocast(device_type, dtype=dtype):
+                result = run_reference(fake_x, fake_weight, fake_bias, fake_params, program)
+        _autocast_result_dtypes[key] = result.dtype
+    return _autocast_result_dtypes[key]
+
+
+def _autocast_kernel(op, device_type: str):
+    """op's kernel for autocast on `device_type`: the GEMM and the epilogue run in autocast's lower precision,
+    as eager's linear does (one dtype for every tensor, so the kernels take it: a float32 parameter would make
+    them fall back), and the result comes back in the dtype eager's ops would give it. The casts are autograd's
+    to record, as autocast's own are."""
+    autocast_key = getattr(torch._C.DispatchKey, "Autocast" + torch._C._dispatch_key_for_device(device_type))
+
+    def run(x, weight, bias, params, program):
+        dtype = torch.get_autocast_dtype(device_type)
+        result_dtype = _eager_result_dtype(program, x, weight, bias, params, device_type, dtype)
+        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(autocast_key)):
+            low = lambda t: _in_lower_precision(t, dtype)  # noqa: E731
+            result = op(low(x), low(weight), low(bias), [low(p) for p in params], program)
+        if isinstance(result, tuple):  # the training op: (out, the GEMM output in `dtype`, as eager's linear's)
+            return result[0].to(result_dtype), result[1]
+        return result.to(result_dtype)
+
+    return run
+
+
+def _define(name: str, schema: str, implementation, fake=None, backward=None, setup_context=None,
+            autocast=False) -> None:
+    """One op: its schema, its reference for every device, its fake implementation, its autograd and its autocast
+    kernels, if any."""
     _library.define(name + schema)
     _library.impl(name, implementation, "CompositeExplicitAutograd")
     torch.library.register_fake(f"{NAMESPACE}::{name}", fake or implementation, lib=_library)
     if backward is not None:
         torch.library.register_autograd(f"{NAMESPACE}::{name}", backward, setup_context=setup_context, lib=_library)
+    if autocast:
+        op = getattr(torch.ops.fxfuse, name).default
+        for device_type in _AUTOCAST_DEVICES:
+            key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
+            _library.impl(name, _autocast_kernel(op, device_type), key)
 
 
 _inference = functools.partial(_define, backward=_backward, setup_context=_setup_context)
 _training = functools.partial(_define, backward=_train_backward, setup_context=_setup_train_context)
-_inference("gemm_epilogue", f"({ARGS}) -> Tensor", run_reference)
+_inference("gemm_epilogue", f"({ARGS}) -> Tensor", run_reference, autocast=True)
 _inference("gemm_epilogue_fallback", f"({ARGS}, str reason) -> Tensor", _logged(run_reference, "gemm_epilogue"))
-_training("gemm_epilogue_train", f"({ARGS}) -> (Tensor, Tensor)", run_reference_train)
+_training("gemm_epilogue_train", f"({ARGS}) -> (Tensor, Tensor)", run_reference_train, autocast=True)
 _training("gemm_epilogue_train_fallback", f"({ARGS}, str reason) -> (Tensor, Tensor)",
           _logged(run_reference_train, "gemm_epilogue_train"))
 # The gradients for the inputs flagged in needs_grad, in the order of the tensors before it.
