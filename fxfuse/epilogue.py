@@ -175,6 +175,11 @@ def log(x):
 
 
 @epilogue_op(POINTWISE)
+def rsqrt(x):
+    return torch.rsqrt(x)
+
+
+@epilogue_op(POINTWISE)
 def abs(x):
     return torch.abs(x)
 

@@ -4,7 +4,8 @@ Entry points: ``idiom`` (the decorator that declares one; ``fxfuse.patterns`` ho
 user code may declare more, without editing fxfuse) and ``apply_idioms`` (called by canonicalization).
 
 An idiom is a plain function. Its positional parameters stand for any tensor; its keyword-only parameters
-stand for any Python number and are captured as the canonical op's attributes. The function is traced with
+stand for any Python number and are captured as the canonical op's attributes. ``idiom``'s keywords fix the
+op's other attributes, or operands that the spelling leaves out (``weight=None``). The function is traced with
 torch.fx and canonicalized like a model, so it matches every spelling of the ops it is written with. The
 match is a subgraph monomorphism (networkx) of the idiom's DAG into the model's DAG around each candidate
 root, with operand positions on the edges (ignored for commutative ops).
@@ -22,6 +23,7 @@ import torch.fx as fx
 from networkx.algorithms.isomorphism import DiGraphMatcher
 
 from .canonicalize import Canonical, canonical_of
+from .epilogue import EPILOGUE_OPS
 
 logger = logging.getLogger("fxfuse")
 
@@ -32,6 +34,7 @@ COMMUTATIVE = {"add", "mul"}
 class Idiom:
     op: str                       # the canonical op it stands for
     attrs: dict[str, Any]         # fixed attributes of that op
+    fixed_operands: dict[str, Any]  # operands of that op the spelling leaves out (a norm's weight=None)
     function: Callable
     graph: nx.DiGraph             # pattern nodes: fx nodes of the traced function; placeholders are wildcards
     root: fx.Node
@@ -45,7 +48,8 @@ IDIOMS: list[Idiom] = []
 
 
 def idiom(op: str, **attrs):
-    """Declare that the decorated function spells canonical op `op` (with fixed `attrs`).
+    """Declare that the decorated function spells canonical op `op` (with fixed `attrs`: attributes, or
+    operands the function has no parameter for).
 
     >>> @idiom("silu")
     ... def silu_spelled_out(x):
@@ -100,7 +104,13 @@ def _build(op: str, attrs: dict, function: Callable) -> Idiom:
     body = [n for n in gm.graph.nodes if n.op != "output" and n not in scalars]
     graph = _dag(body, canon, leave_out=scalars)
     depth = max(nx.shortest_path_length(graph.reverse(copy=False), root).values())
-    return Idiom(op, attrs, function, graph, root, tensors, scalars, canon, depth)
+    operand_names = EPILOGUE_OPS[op].operands
+    fixed = {name: value for name, value in attrs.items() if name in operand_names}
+    attrs = {name: value for name, value in attrs.items() if name not in fixed}
+    if len(tensors) + len(fixed) != len(operand_names):
+        raise TypeError(f"idiom {function.__name__}: {op} takes operands {operand_names}; give each a positional "
+                        f"parameter or a fixed value")
+    return Idiom(op, attrs, fixed, function, graph, root, tensors, scalars, canon, depth)
 
 
 def _same_number(a, b) -> bool:
@@ -200,7 +210,9 @@ def apply_idioms(gm: fx.GraphModule, canon: dict[fx.Node, Canonical]) -> None:
             if any(user not in interior and user is not node for m in interior for user in m.users):
                 logger.debug("idiom %s at %s: an interior value is used elsewhere", candidate.op, node.name)
                 continue
-            operands = tuple(mapping[p] for p in candidate.tensor_inputs)
+            tensors = iter(mapping[p] for p in candidate.tensor_inputs)
+            operands = tuple(candidate.fixed_operands[name] if name in candidate.fixed_operands else next(tensors)
+                             for name in EPILOGUE_OPS[candidate.op].operands)
             canon[node] = Canonical(candidate.op, operands, {**candidate.attrs, **captured}, covers=tuple(interior))
             logger.debug("idiom %s found at %s", candidate.op, node.name)
             break

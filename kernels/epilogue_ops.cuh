@@ -267,6 +267,16 @@ struct Log {
   __device__ static float backward(float x, float grad, const Attrs&) { return grad / x; }
 };
 
+// fxfuse/epilogue.py::rsqrt (rsqrt(-0) = -inf and rsqrt(x < 0) = NaN, as torch's)
+struct Rsqrt {
+  static constexpr int num_attrs = 0;
+  __device__ static float apply(float x, const Attrs&) { return rsqrtf(x); }
+  __device__ static float backward(float x, float grad, const Attrs&) {
+    const float y = rsqrtf(x);
+    return -0.5f * grad * (y * y * y);
+  }
+};
+
 // fxfuse/epilogue.py::abs
 struct Abs {
   static constexpr int num_attrs = 0;
@@ -439,7 +449,7 @@ struct Logsumexp {
 #define FXFUSE_UNARY_OPS(X)                                                                                    \
   X(neg, Neg) X(relu, Relu) X(clamp, Clamp) X(hardtanh, Hardtanh) X(leaky_relu, LeakyRelu) X(elu, Elu) X(gelu, Gelu) \
   X(silu, Silu) X(mish, Mish) X(sigmoid, Sigmoid) X(tanh, Tanh) X(softplus, Softplus) X(hardswish, Hardswish)       \
-  X(hardsigmoid, Hardsigmoid) X(exp, Exp) X(log, Log) X(abs, Abs) X(pow, Pow)
+  X(hardsigmoid, Hardsigmoid) X(exp, Exp) X(log, Log) X(rsqrt, Rsqrt) X(abs, Abs) X(pow, Pow)
 
 #define FXFUSE_BINARY_OPS(X) X(add, Add) X(sub, Sub) X(mul, Mul) X(div, Div)
 

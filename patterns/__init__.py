@@ -48,3 +48,8 @@ def elu_from_where(x, *, alpha):
 @idiom("leaky_relu")
 def leaky_relu_from_where(x, *, negative_slope):
     return torch.where(x > 0, x, negative_slope * x)
+
+
+@idiom("rms_norm", weight=None)
+def rms_norm_by_rsqrt(x, *, eps):  # LLaMA's and T5's RMSNorm, before its weight
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)

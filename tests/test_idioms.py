@@ -54,6 +54,11 @@ BUILT_IN = {
         on_gemm(lambda h: torch.where(h > 0, h, 0.7 * (torch.exp(h) - 1.0))), "elu(%0,0.7,1.0,1.0)"),
     "elu via where, other alpha": (
         on_gemm(lambda h: torch.where(h > 0, h, 1.3 * (h.exp() - 1))), "elu(%0,1.3,1.0,1.0)"),
+    "rms_norm: LLaMA's x*rsqrt(x.pow(2).mean(-1,keepdim=True)+eps)": (
+        on_gemm(lambda h: h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)), "rms_norm(%0,None,1e-06)"),
+    "rms_norm: torch.square, eps first, then a scale": (
+        on_gemm(lambda h: 2.0 * (h * (1e-5 + torch.square(h).mean(dim=-1, keepdim=True)).rsqrt())),
+        "rms_norm(%0,None,1e-05);mul(2.0,%1)"),
 }
 
 
@@ -67,6 +72,8 @@ NOT_THE_IDIOM = {
     "x*sigmoid(2x) is not silu": (on_gemm(lambda h: h * torch.sigmoid(h * 2.0)), "silu"),
     "x*tanh(softplus(x, beta=2)) is not mish": (on_gemm(lambda h: h * torch.tanh(F.softplus(h, beta=2.0))), "mish"),
     "x*relu6(x+2)/6 is not hardswish": (on_gemm(lambda h: h * F.relu6(h + 2.0) / 6.0), "hardswish"),
+    "x*rsqrt(x.pow(2).sum(-1,keepdim=True)+eps) is not rms_norm": (
+        on_gemm(lambda h: h * torch.rsqrt(h.pow(2).sum(-1, keepdim=True) + 1e-6)), "rms_norm"),
     # clamp's gradient on its bounds is 1, relu6's (and hardswish's at -3 and 3) 0: not the same function's
     "x*clamp(x+3,0,6)/6 is not hardswish": (on_gemm(lambda h: h * torch.clamp(h + 3.0, 0.0, 6.0) / 6.0),
                                             "hardswish"),

@@ -169,6 +169,8 @@ POINTWISE = [
     case("torch.log", "log", lambda m, x, y: torch.log(m.fc(x).abs())),
     case("Tensor.log", "log", lambda m, x, y: m.fc(x).exp().log()),
     case("Tensor.log_", "log", lambda m, x, y: m.fc(x).abs().log_()),
+    case("torch.rsqrt", "rsqrt", lambda m, x, y: torch.rsqrt(m.fc(x).abs() + 1.0)),
+    case("Tensor.rsqrt_", "rsqrt", lambda m, x, y: m.fc(x).abs().add(1.0).rsqrt_()),
     case("torch.abs", "abs", lambda m, x, y: torch.abs(m.fc(x))),
     case("torch.absolute", "abs", lambda m, x, y: torch.absolute(m.fc(x))),
     case("abs()", "abs", lambda m, x, y: abs(m.fc(x))),
