@@ -38,6 +38,9 @@ class EpilogueOp:
     samples: tuple[dict[str, Any], ...] = ({},)
     # Attributes of the op that must be the features dim ("dim" of reductions and softmax).
     feature_dim_attr: str | None = None
+    # Defined, and well conditioned, for positive inputs only (log, rsqrt, fractional powers): the tests feed
+    # it positive values, away from 0.
+    positive_domain: bool = False
 
     @property
     def is_binary(self) -> bool:
@@ -47,7 +50,7 @@ class EpilogueOp:
 EPILOGUE_OPS: dict[str, EpilogueOp] = {}
 
 
-def epilogue_op(kind: str, *, samples=({},), feature_operands=(), feature_dim_attr=None):
+def epilogue_op(kind: str, *, samples=({},), feature_operands=(), feature_dim_attr=None, positive_domain=False):
     """Register a reference function as a canonical epilogue op named after the function."""
 
     def register(fn):
@@ -57,7 +60,7 @@ def epilogue_op(kind: str, *, samples=({},), feature_operands=(), feature_dim_at
         EPILOGUE_OPS[fn.__name__] = EpilogueOp(
             name=fn.__name__, kind=kind, operands=operands, attrs=attrs, reference=fn,
             feature_operands=frozenset(feature_operands), samples=tuple(samples),
-            feature_dim_attr=feature_dim_attr)
+            feature_dim_attr=feature_dim_attr, positive_domain=positive_domain)
         return fn
 
     return register
@@ -169,12 +172,12 @@ def exp(x):
     return torch.exp(x)
 
 
-@epilogue_op(POINTWISE)
+@epilogue_op(POINTWISE, positive_domain=True)
 def log(x):
     return torch.log(x)
 
 
-@epilogue_op(POINTWISE)
+@epilogue_op(POINTWISE, positive_domain=True)
 def rsqrt(x):
     return torch.rsqrt(x)
 
@@ -184,7 +187,7 @@ def abs(x):
     return torch.abs(x)
 
 
-@epilogue_op(POINTWISE, samples=({"exponent": 2.0}, {"exponent": 3.0}, {"exponent": 0.5}))
+@epilogue_op(POINTWISE, samples=({"exponent": 2.0}, {"exponent": 3.0}, {"exponent": 0.5}), positive_domain=True)
 def pow(x, *, exponent):
     return torch.pow(x, exponent)
 

@@ -122,7 +122,8 @@ def _build(name: str, build_dir: Path, arch_flags: list[str]) -> None:
     print(f"fxfuse: building the CUDA kernels for {archs} into {build_dir} (once per version) ...", flush=True)
     start = time.perf_counter()
     cpp_extension.load(name=name, sources=[str(p) for p in translation_units(SOURCE_DIR)],
-                       extra_cuda_cflags=NVCC_FLAGS + arch_flags, build_directory=str(build_dir),
+                       extra_cuda_cflags=NVCC_FLAGS + arch_flags, extra_ldflags=["-lcublasLt"],
+                       build_directory=str(build_dir),
                        is_python_module=False, verbose=False)
     print(f"fxfuse: built the CUDA kernels in {time.perf_counter() - start:.0f} s", flush=True)
 

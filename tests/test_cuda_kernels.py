@@ -148,8 +148,7 @@ def op_programs(name, n):
             cases.append((str(Instruction(name, (Value(0), Param(0), Param(1), Param(2), Param(3)), attr_values)),
                           "batch_norm"))
         elif spec.kind == POINTWISE:
-            # log and fractional powers need positive inputs: abs + 0.5 first
-            prefix = "abs(%0);add(%1,0.5);" if name in ("log", "pow") else ""
+            prefix = "abs(%0);add(%1,0.5);" if spec.positive_domain else ""  # positive, away from 0
             first = Value(2) if prefix else Value(0)
             cases.append((prefix + str(Instruction(name, (first,), attr_values)), "none"))
         elif spec.kind == NORM:
@@ -219,6 +218,18 @@ def test_special_values_come_out_as_in_the_reference(name, dtype):
 
 
 # ---------------------------------------------------------------- shapes and group counts
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"], indirect=True)
+def test_the_gemm_takes_operands_at_any_alignment(precision):
+    """cuBLASLt's heuristic is told where each operand starts: x, weight and bias one element past a 256-byte
+    boundary (4 or 2 bytes) run, and match the reference."""
+    dtype = DTYPES[precision]
+    m, k, n = 64, 129, 96
+    x = torch.randn(m * k + 1, device="cuda").to(dtype)[1:].view(m, k)
+    weight = (torch.randn(n * k + 1, device="cuda") * k ** -0.5).to(dtype)[1:].view(n, k)
+    bias = torch.randn(n + 1, device="cuda").to(dtype)[1:]
+    run_and_check("relu(%0)", x, weight, bias, [], bound_for(precision))
+
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"], indirect=True)
 @pytest.mark.parametrize("n", [96, 1000, 1024, 8192])
