@@ -17,6 +17,9 @@ Entry points:
     epilogue_backward(Tensor grad_output, Tensor gemm_out, Tensor[] params, str program, bool[] needs_grad)
         -> Tensor[]
 
+Under torch.autocast the two fused ops have autocast kernels (``_autocast_kernel``; the fallback and backward ops
+have none: autocast is off in a backward, and the fallbacks are called below it).
+
 Every device runs the reference interpreter, except CUDA once ``fxfuse.kernels`` has loaded its kernels, whose
 ``TORCH_LIBRARY_IMPL(fxfuse, CUDA, ...)`` takes precedence. The fake implementations are the same references
 run on fake tensors, so shapes, dtypes and broadcasting are eager's by construction.
@@ -217,30 +220,28 @@ _AUTOCAST_DEVICES = ("cuda", "cpu")
 _autocast_result_dtypes: dict = {}
 
 
-def _in_lower_precision(t, dtype):
-    """What autocast makes of a tensor for an op it runs in `dtype`: floating tensors but float64 cast, and 0-d
-    ones (scalars passed as tensors) kept, so that they round no further than the numbers eager would use."""
-    if t is None or not t.is_floating_point() or t.dtype == torch.float64 or t.dim() == 0:
+def _in_lower_precision(t, device_type, dtype):
+    """What autocast makes of a GEMM operand for `dtype`: a floating tensor on its device, but float64, cast."""
+    if t is None or t.device.type != device_type or not t.is_floating_point() or t.dtype == torch.float64:
         return t
     return t.to(dtype)
 
 
 def _eager_result_dtype(program, x, weight, bias, params, device_type, dtype) -> torch.dtype:
-    """The dtype eager's ops give the program's result under autocast: linear in `dtype`, then each op by
-    autocast's own policy for it (on CUDA layer_norm, group_norm, softmax, exp... run in float32) and type
-    promotion (an fp32 parameter added to the bf16 GEMM output gives fp32). Found once per program, dtypes and
-    device type, by running the reference on fake tensors under autocast (shapes that broadcast as the real ones
-    do: the features kept, other dims 1)."""
+    """The dtype the program's ops give its result under autocast: linear in `dtype`, then each op by autocast's
+    own policy for it (on CUDA layer_norm, group_norm, softmax, exp... run in float32). Found once per program,
+    dtypes and ranks, by running the reference on fake tensors under autocast (shapes that broadcast as the real
+    ones do: the features kept, other dims 1), with every mode of the caller's set aside."""
     tensors = [x, weight, bias, *params]
     key = (program, device_type, dtype, tuple(None if t is None else (t.dtype, t.dim()) for t in tensors))
     if key not in _autocast_result_dtypes:
-        from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
-        from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.utils._python_dispatch import _disable_current_modes
 
         features = weight.shape[0]
         shapes = [[1] * (x.dim() - 1) + [weight.shape[1]], weight.shape, None if bias is None else bias.shape]
         shapes += [[d if isinstance(d, int) and d in (1, features) else 1 for d in p.shape] for p in params]
-        with disable_proxy_modes_tracing(), unset_fake_temporarily(), FakeTensorMode():
+        with _disable_current_modes(), FakeTensorMode():
             fake_x, fake_weight, fake_bias, *fake_params = [
                 None if t is None else torch.empty(shape, dtype=t.dtype, device=t.device)
                 for t, shape in zip(tensors, shapes)]
@@ -250,19 +251,25 @@ def _eager_result_dtype(program, x, weight, bias, params, device_type, dtype) ->
     return _autocast_result_dtypes[key]
 
 
-def _autocast_kernel(op, device_type: str):
-    """op's kernel for autocast on `device_type`: the GEMM and the epilogue run in autocast's lower precision,
-    as eager's linear does (one dtype for every tensor, so the kernels take it: a float32 parameter would make
-    them fall back), and the result comes back in the dtype eager's ops would give it. The casts are autograd's
-    to record, as autocast's own are."""
+def _autocast_kernel(op, reference, device_type: str):
+    """op's kernel for autocast on `device_type`.
+
+    Where every param is already a tensor of autocast's dtype on that device (or there is none), the GEMM and
+    the epilogue run fused in that dtype, as eager's linear would (x, weight and bias cast), and the result comes
+    back in the dtype the program's ops give it under autocast (bf16 after a GELU; fp32 after an op that CUDA's
+    autocast runs in fp32, such as group_norm). A param in another dtype (an fp32 norm affine, an fp32 residual)
+    is not rounded to fit the kernels: the program's ops then run unfused, under autocast as eager's did. The
+    casts are autograd's to record, as autocast's own are."""
     autocast_key = getattr(torch._C.DispatchKey, "Autocast" + torch._C._dispatch_key_for_device(device_type))
 
     def run(x, weight, bias, params, program):
         dtype = torch.get_autocast_dtype(device_type)
+        if any(p.device.type != device_type or p.dtype != dtype for p in params):
+            return reference(x, weight, bias, params, program)
         result_dtype = _eager_result_dtype(program, x, weight, bias, params, device_type, dtype)
         with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(autocast_key)):
-            low = lambda t: _in_lower_precision(t, dtype)  # noqa: E731
-            result = op(low(x), low(weight), low(bias), [low(p) for p in params], program)
+            low = lambda t: _in_lower_precision(t, device_type, dtype)  # noqa: E731
+            result = op(low(x), low(weight), low(bias), params, program)
         if isinstance(result, tuple):  # the training op: (out, the GEMM output in `dtype`, as eager's linear's)
             return result[0].to(result_dtype), result[1]
         return result.to(result_dtype)
@@ -272,8 +279,8 @@ def _autocast_kernel(op, device_type: str):
 
 def _define(name: str, schema: str, implementation, fake=None, backward=None, setup_context=None,
             autocast=False) -> None:
-    """One op: its schema, its reference for every device, its fake implementation, its autograd and its autocast
-    kernels, if any."""
+    """One op: its schema, its reference for every device, its fake implementation, its autograd and (`autocast`)
+    its autocast kernels, if any."""
     _library.define(name + schema)
     _library.impl(name, implementation, "CompositeExplicitAutograd")
     torch.library.register_fake(f"{NAMESPACE}::{name}", fake or implementation, lib=_library)
@@ -283,7 +290,7 @@ def _define(name: str, schema: str, implementation, fake=None, backward=None, se
         op = getattr(torch.ops.fxfuse, name).default
         for device_type in _AUTOCAST_DEVICES:
             key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
-            _library.impl(name, _autocast_kernel(op, device_type), key)
+            _library.impl(name, _autocast_kernel(op, implementation, device_type), key)
 
 
 _inference = functools.partial(_define, backward=_backward, setup_context=_setup_context)

@@ -10,6 +10,7 @@ fusing, ``prove_legal`` checks that the region is convex and has a single output
 """
 from __future__ import annotations
 
+import functools
 import heapq
 import logging
 import operator
@@ -60,6 +61,10 @@ class NearMiss:
 
 # ---------------------------------------------------------------- facts about tensors
 
+# Dynamo's graphs mark where a `with torch.autocast(...)` block starts and ends.
+_AUTOCAST_SWITCHES = tuple(getattr(torch.amp.autocast_mode, name) for name in ("_enter_autocast", "_exit_autocast")
+                           if hasattr(torch.amp.autocast_mode, name))
+
 @dataclass
 class Facts:
     """What is known of a graph's tensors: module attributes always; shapes when example inputs were given."""
@@ -70,6 +75,11 @@ class Facts:
 
     def resolve(self, obj):
         return self.replaced.get(obj, obj) if isinstance(obj, fx.Node) else obj
+
+    @functools.cached_property
+    def autocast_switches(self) -> list[fx.Node]:
+        """The nodes that start or end a `with torch.autocast(...)` block (Dynamo's graphs hold them)."""
+        return [n for n in self.gm.graph.nodes if n.op == "call_function" and n.target in _AUTOCAST_SWITCHES]
 
     def tensor(self, obj) -> torch.Tensor | None:
         """A real or fake tensor with the shape and dtype of `obj`, or None if unknown."""
@@ -222,7 +232,11 @@ class _Growth:
             problem = self.outside_operand_problem(addmm_bias, self.dtype)
             if problem:
                 return problem
-            self.emit(self.anchor, "add", (Value(0), self.param(addmm_bias)), (), rank=self.rank[0])
+            bias_tensor = self.facts.tensor(addmm_bias)
+            if bias_tensor is not None and tuple(bias_tensor.shape) == (self.features,):
+                self.bias = addmm_bias  # linear's own bias: the GEMM's, cast with it under autocast as addmm's is
+            else:
+                self.emit(self.anchor, "add", (Value(0), self.param(addmm_bias)), (), rank=self.rank[0])
         return None
 
     def add_member(self, node, c: Canonical):
@@ -238,6 +252,11 @@ class _Growth:
         if reduced:
             self.reduced.add(index)
 
+    def autocast_switch_before(self, node: fx.Node) -> fx.Node | None:
+        """The first node that starts or ends an autocast block after the GEMM and before `node`, if any."""
+        low, high = self.facts.position[self.anchor], self.facts.position[node]
+        return next((s for s in self.facts.autocast_switches if low < self.facts.position[s] < high), None)
+
     def admit(self, node: fx.Node) -> str | None:
         """Add `node` to the region, or say why it can't be added."""
         c = self.canon.get(node)
@@ -247,6 +266,9 @@ class _Growth:
             return c.problem
         if c.op == LINEAR:
             return Boundary(f"{describe(node)} is another GEMM")
+        switch = self.autocast_switch_before(node)
+        if switch is not None:  # the fused op runs where the region's last op was, under that op's autocast state
+            return f"{describe(switch)} starts or ends an autocast block between the GEMM and {describe(node)}"
         mutated = self.facts.resolve(c.inplace_of)
         if mutated is not None and mutated not in self.member_set:
             return f"in-place {describe(node)} mutates {describe(mutated)}, which is outside the region"

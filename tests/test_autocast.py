@@ -1,6 +1,9 @@
-"""Optimized and compiled models under torch.autocast: the fused op runs its GEMM and epilogue in autocast's
-lower precision, as eager's linear does, and returns the dtype eager's ops would (bf16 after a GELU, fp32 after
-an fp32 parameter is added, or after an op autocast runs in fp32 on CUDA), with gradients in the weights' dtype.
+"""Optimized and compiled models under torch.autocast. Where every param of a region is already in autocast's
+dtype (or it has none), the fused op runs its GEMM and epilogue in that dtype, as eager's linear does, and returns
+the dtype eager's ops would (bf16 after a GELU; fp32 after an op that CUDA's autocast runs in fp32); a param in
+another dtype (an fp32 norm affine, an fp32 residual) is never rounded to fit: the region's ops then run unfused,
+under autocast, as eager's. Gradients come back in the weights' dtype. A region never spans the start or end of
+an autocast block.
 """
 import contextlib
 
@@ -20,86 +23,140 @@ class LinearThen(nn.Module):
     def __init__(self, tail, in_features=32, out_features=24):
         super().__init__()
         self.fc = nn.Linear(in_features, out_features)
-        self.shift = nn.Parameter(torch.randn(out_features))
+        self.shift = nn.Parameter(torch.randn(out_features) * 100.0)
         self.norm = nn.GroupNorm(4, out_features)
         self.tail = tail
 
     def forward(self, x):
-        return self.tail(self, self.fc(x))
+        return self.tail(self, x)
 
 
+# name: (forward, whether the fused op runs below autocast; otherwise eager's ops run unfused)
 TAILS = {
-    "gelu": lambda m, h: F.gelu(h),                                     # bf16 under autocast
-    "plus an fp32 parameter": lambda m, h: F.silu(h) + m.shift,          # promoted to fp32
-    "group_norm-hardtanh": lambda m, h: F.hardtanh(m.norm(h), -2.0, 2.0),  # fp32 on CUDA (group_norm's policy)
-    "row min plus bias": lambda m, h: torch.min(m.norm(h), 1, keepdim=True)[0] + 1.5,
+    "gelu": (lambda m, x: F.gelu(m.fc(x)), True),                         # bf16 under autocast
+    "group_norm without affine, hardtanh": (lambda m, x: F.hardtanh(F.group_norm(m.fc(x), 4)), True),
+    "row min plus a number": (lambda m, x: torch.min(F.group_norm(m.fc(x), 4), 1, keepdim=True)[0] + 1.5, True),
+    "addmm then relu": (lambda m, x: torch.relu(torch.addmm(m.fc.bias, x, m.fc.weight.t())), True),
+    "an fp32 residual": (lambda m, x: F.silu(m.fc(x)) + m.shift, False),  # promoted to fp32, never rounded
+    "group_norm's fp32 affine": (lambda m, x: F.hardtanh(m.norm(m.fc(x)), -2.0, 2.0), False),
 }
 
 
 class FusedOpDtypes(TorchDispatchMode):
-    """Records the dtypes of (x, weight) of every fused-op call, as the kernels get them (below autocast)."""
+    """Records the dtypes of (x, weight) of every fused-op call below autocast, and every other op's name."""
 
     def __init__(self):
         super().__init__()
-        self.seen = []
+        self.fused, self.others = [], []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "fxfuse":
-            self.seen.append((args[0].dtype, args[1].dtype))
+            self.fused.append((args[0].dtype, args[1].dtype))
+        else:
+            self.others.append(func.__name__)
         return func(*args, **(kwargs or {}))
 
 
-def _models(name, device, mode):
+def _model(name, device, mode):
     torch.manual_seed(0)
-    model = LinearThen(TAILS[name]).to(device).train(mode == "train")
-    x = torch.randn(16, 32, device=device)
-    return model, x
+    model = LinearThen(TAILS[name][0]).to(device).train(mode == "train")
+    return model, torch.randn(16, 32, device=device)
 
 
-def _check_under_autocast(model, candidate, x, device, spy=True):
-    """`candidate` under autocast returns eager's dtype and values; with `spy`, its fused op got bf16 x and weight
-    (a dispatch mode would stop torch.compile's code from running: compiled models are checked without it)."""
+def _check_under_autocast(model, candidate, x, device, fused_below=None):
+    """`candidate` under autocast returns eager's dtype and values. With `fused_below` set (not for compiled code,
+    which a dispatch mode would keep from running), whether its fused op ran below autocast with bf16 x and weight,
+    or eager's ops ran instead."""
     with torch.autocast(device, dtype=torch.bfloat16):
         expected = model(x)
-        with FusedOpDtypes() if spy else contextlib.nullcontext() as spied:
+        with FusedOpDtypes() if fused_below is not None else contextlib.nullcontext() as spied:
             actual = candidate(x)
     assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
-    if spy:
-        assert spied.seen and all(seen == (torch.bfloat16, torch.bfloat16) for seen in spied.seen), spied.seen
+    if fused_below is not None:
+        wanted = [(torch.bfloat16, torch.bfloat16)] if fused_below else []
+        assert spied.fused == wanted, (spied.fused, spied.others)
+        assert fused_below or "gelu" in spied.others or spied.others, spied.others
     assert_close_report(actual.float(), expected.float(), rtol=1e-2, atol=1e-2)
-    return actual
+    return actual, expected
 
 
 @pytest.mark.parametrize("mode", ["eval", "train"])
 @pytest.mark.parametrize("name", sorted(TAILS))
 def test_optimized_model_under_autocast(name, mode):
-    model, x = _models(name, "cpu", mode)
+    model, x = _model(name, "cpu", mode)
     optimized = fxfuse.optimize(model, (x,))
     assert fused_op_count(optimized) == 1
-    actual = _check_under_autocast(model, optimized, x, "cpu")
+    actual, _ = _check_under_autocast(model, optimized, x, "cpu", fused_below=TAILS[name][1])
     if mode == "train":  # the casts are autograd's: the gradients come back in the weights' dtype
         actual.float().sum().backward()
         assert model.fc.weight.grad.dtype == torch.float32 and model.fc.weight.grad.abs().sum() > 0
 
 
+def test_an_fp32_residual_keeps_eagers_precision():
+    """An fp32 param added under autocast is eager's exactly: not rounded to bf16 (a residual of 100s would lose
+    its last 8 bits)."""
+    model, x = _model("an fp32 residual", "cpu", "eval")
+    optimized = fxfuse.optimize(model, (x,))
+    actual, expected = _check_under_autocast(model, optimized, x, "cpu", fused_below=False)
+    assert torch.equal(actual, expected)
+
+
 @pytest.mark.parametrize("inner", ["eager", "aot_eager"])
 @pytest.mark.parametrize("name", sorted(TAILS))
 def test_compiled_model_under_autocast(name, inner):
-    model, x = _models(name, "cpu", "eval")
+    model, x = _model(name, "cpu", "eval")
     backend = fxfuse.make_backend(inner=inner)
     compiled = torch.compile(model, backend=backend)
-    _check_under_autocast(model, compiled, x, "cpu", spy=False)
+    _check_under_autocast(model, compiled, x, "cpu")
     assert [len(report.fused) for report in backend.reports] == [1]
+
+
+def test_a_caller_dispatch_mode_sees_no_fake_tensors():
+    """The result dtype is found on fake tensors with the caller's modes set aside: a mode around the first call
+    sees the fused op and real tensors only."""
+    model, x = _model("gelu", "cpu", "eval")
+    optimized = fxfuse.optimize(model, (x,))
+    fxfuse.library._autocast_result_dtypes.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16), FusedOpDtypes() as spied:
+        optimized(x)
+    assert spied.fused == [(torch.bfloat16, torch.bfloat16)]
+    assert not [name for name in spied.others if name.startswith("empty")], spied.others
+
+
+class AutocastOffInside(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 24)
+
+    def forward(self, x):
+        with torch.autocast("cpu", enabled=False):
+            h = F.gelu(self.fc(x))
+        return h * 2.0
+
+
+def test_a_region_never_spans_an_autocast_blocks_end():
+    """Dynamo's graph holds the block's end between the GELU and the multiply: the fused op stops at the GELU,
+    inside the block, where its GEMM runs in fp32 as eager's."""
+    torch.manual_seed(0)
+    model, x = AutocastOffInside().eval(), torch.randn(16, 32)
+    backend = fxfuse.make_backend(inner="aot_eager")
+    compiled = torch.compile(model, backend=backend)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected, actual = model(x), compiled(x)
+    assert actual.dtype == expected.dtype == torch.float32
+    assert_close_report(actual, expected, rtol=1e-5, atol=1e-5)
+    (report,) = backend.reports
+    assert [row.program for row in report.fused] == ["gelu(%0,'none')"]
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", sorted(TAILS))
-def test_optimized_model_under_cuda_autocast_runs_the_kernels(name, caplog):
+def test_optimized_model_under_cuda_autocast(name, caplog):
     """On CUDA autocast runs group_norm in fp32: eager's result is fp32 there, and so is fxfuse's; the fused op
     gets bf16 tensors only, which the kernels take (no fallback logged)."""
-    model, x = _models(name, "cuda", "eval")
+    model, x = _model(name, "cuda", "eval")
     optimized = fxfuse.optimize(model, (x,))
     with caplog.at_level("DEBUG", logger="fxfuse"):
-        _check_under_autocast(model, optimized, x, "cuda")
+        _check_under_autocast(model, optimized, x, "cuda", fused_below=TAILS[name][1])
     assert not [r for r in caplog.records if "runs the reference" in r.getMessage()]
