@@ -115,6 +115,14 @@ def load() -> bool:
     return True
 
 
+def _cublaslt_link_flags() -> list[str]:
+    """cuBLASLt's library where the toolkit has its header: gemm_epilogue.cpp calls it only then (else at::linear)."""
+    from torch.utils import cpp_extension
+
+    home = cpp_extension.CUDA_HOME
+    return ["-lcublasLt"] if home and (Path(home) / "include" / "cublasLt.h").exists() else []
+
+
 def _build(name: str, build_dir: Path, arch_flags: list[str]) -> None:
     from torch.utils import cpp_extension
 
@@ -122,7 +130,7 @@ def _build(name: str, build_dir: Path, arch_flags: list[str]) -> None:
     print(f"fxfuse: building the CUDA kernels for {archs} into {build_dir} (once per version) ...", flush=True)
     start = time.perf_counter()
     cpp_extension.load(name=name, sources=[str(p) for p in translation_units(SOURCE_DIR)],
-                       extra_cuda_cflags=NVCC_FLAGS + arch_flags, extra_ldflags=["-lcublasLt"],
+                       extra_cuda_cflags=NVCC_FLAGS + arch_flags, extra_ldflags=_cublaslt_link_flags(),
                        build_directory=str(build_dir),
                        is_python_module=False, verbose=False)
     print(f"fxfuse: built the CUDA kernels in {time.perf_counter() - start:.0f} s", flush=True)

@@ -51,8 +51,9 @@ namespace {
 // heuristic ranks first when offered a 32 MB workspace. For 1024 x 8192 -> 8192 in fp32 IEEE that is a 64x256
 // SIMT kernel, 0.5-0.7% faster than the 128x128 one F.linear launches (2.702 against 2.715 ms); tf32 and bf16
 // get F.linear's kernel (dev/cublaslt_probe.py). Precision: TF32 only where torch allows it for cuBLAS, as eager;
-// 16-bit split-K partials are reduced in fp32, never in the storage type. Returns an undefined tensor where
-// cuBLASLt does not take the problem; the caller then runs at::linear. A toolkit without cuBLAS's headers (the CI
+// 16-bit products accumulate, and split-K partials are reduced, in fp32 whatever torch's reduced-precision flags
+// allow. Returns an undefined tensor where cuBLASLt does not take the problem (or a bias is not 16-byte aligned:
+// cuBLASLt has no alignment hint for it); the caller then runs at::linear. A toolkit without cuBLAS's headers (the CI
 // machines' compile check) builds at::linear alone.
 #if __has_include(<cublasLt.h>)
 struct LtProblem {
@@ -96,11 +97,10 @@ uint32_t alignment_of(const void* pointer) {
   return alignment;
 }
 
-bool describe(LtProblem& p, const at::Tensor& x, const at::Tensor& weight, const void* bias) {
+bool describe(LtProblem& p, const at::Tensor& x, const at::Tensor& weight, const void* bias, bool tf32) {
   const cudaDataType_t type = x.scalar_type() == at::kFloat      ? CUDA_R_32F
                               : x.scalar_type() == at::kBFloat16 ? CUDA_R_16BF
                                                                  : CUDA_R_16F;
-  const bool tf32 = x.scalar_type() == at::kFloat && at::globalContext().allowTF32CuBLAS();
   const cublasComputeType_t compute = tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
   const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
   // Column-major, as cuBLAS sees row-major tensors: y^T [n, m] = weight^T' [n, k] x^T [k, m], bias along n.
@@ -121,14 +121,13 @@ bool describe(LtProblem& p, const at::Tensor& x, const at::Tensor& weight, const
 }
 
 // The heuristic's first algorithm for this problem, asked once per shape, dtype, precision and alignment.
-LtChoice choose_algorithm(const LtProblem& p, const at::Tensor& x, const at::Tensor& weight, const void* bias,
+LtChoice choose_algorithm(const LtProblem& p, const at::Tensor& x, const at::Tensor& weight, bool has_bias, bool tf32,
                           const at::Tensor& y, cublasLtHandle_t handle) {
   static std::mutex mutex;
   static std::map<std::vector<int64_t>, LtChoice> choices;
   const std::vector<int64_t> key{x.size(0), x.size(1), weight.size(0), static_cast<int64_t>(x.scalar_type()),
-                                 at::globalContext().allowTF32CuBLAS(), bias != nullptr, x.device().index(),
-                                 alignment_of(weight.data_ptr()), alignment_of(x.data_ptr()),
-                                 alignment_of(y.data_ptr()), bias ? alignment_of(bias) : 256};
+                                 tf32, has_bias, x.device().index(), alignment_of(weight.data_ptr()),
+                                 alignment_of(x.data_ptr()), alignment_of(y.data_ptr())};
   std::lock_guard<std::mutex> lock(mutex);
   const auto known = choices.find(key);
   if (known != choices.end()) return known->second;
@@ -139,7 +138,7 @@ LtChoice choose_algorithm(const LtProblem& p, const at::Tensor& x, const at::Ten
     size_t workspace = kLtWorkspaceOffered;
     const uint32_t reduce_in_fp32 = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE | CUBLASLT_REDUCTION_SCHEME_NONE;
     const uint32_t alignments[] = {static_cast<uint32_t>(key[7]), static_cast<uint32_t>(key[8]),
-                                   static_cast<uint32_t>(key[9]), static_cast<uint32_t>(key[10])};
+                                   static_cast<uint32_t>(key[9]), static_cast<uint32_t>(key[9])};  // D is C: y
     const cublasLtMatmulPreferenceAttributes_t alignment_attributes[] = {
         CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
         CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES};
@@ -168,16 +167,24 @@ at::Tensor lt_linear(const at::Tensor& x, const at::Tensor& weight, const std::o
   const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
   constexpr int64_t kLargest = 65535 * 32;  // ATen's bounds for its own cuBLASLt path, sizes of 1 excluded
   if (m <= 1 || k <= 1 || n <= 1 || m >= kLargest || k >= kLargest || n >= kLargest) return at::Tensor();
-  at::Tensor y = at::empty({m, n}, x.options());
   const void* bias_pointer = bias.has_value() ? bias->data_ptr() : nullptr;
+  if (bias_pointer && alignment_of(bias_pointer) < 16) return at::Tensor();
+  // Only fp32 asks torch's TF32 flag: its accessor raises where old and new settings disagree, as eager's fp32
+  // matmul does, and eager's 16-bit linear never asks it.
+  const bool tf32 = x.scalar_type() == at::kFloat && at::globalContext().allowTF32CuBLAS();
   LtProblem problem;
-  if (!describe(problem, x, weight, bias_pointer)) return at::Tensor();
+  if (!describe(problem, x, weight, bias_pointer, tf32)) return at::Tensor();
   const cublasLtHandle_t handle = lt_handle(x.device().index());
   if (!handle) return at::Tensor();
-  const LtChoice choice = choose_algorithm(problem, x, weight, bias_pointer, y, handle);
+  at::Tensor y = at::empty({m, n}, x.options());
+  const LtChoice choice = choose_algorithm(problem, x, weight, bias_pointer != nullptr, tf32, y, handle);
   if (!choice.found) return at::Tensor();
-  const at::Tensor workspace =
-      at::empty({static_cast<int64_t>(choice.workspace_bytes)}, x.options().dtype(at::kByte));
+  at::Tensor workspace;
+  try {
+    workspace = at::empty({static_cast<int64_t>(choice.workspace_bytes)}, x.options().dtype(at::kByte));
+  } catch (const c10::OutOfMemoryError&) {
+    return at::Tensor();  // at::linear may need less
+  }
   const float alpha = 1.0f, beta = 0.0f;
   const cublasStatus_t status =
       cublasLtMatmul(handle, problem.desc, &alpha, weight.data_ptr(), problem.weight, x.data_ptr(), problem.x, &beta,

@@ -220,13 +220,15 @@ def test_special_values_come_out_as_in_the_reference(name, dtype):
 # ---------------------------------------------------------------- shapes and group counts
 
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"], indirect=True)
-def test_the_gemm_takes_operands_at_any_alignment(precision):
-    """cuBLASLt's heuristic is told where each operand starts: x, weight and bias one element past a 256-byte
-    boundary (4 or 2 bytes) run, and match the reference."""
+@pytest.mark.parametrize("misaligned", ["every operand", "the bias alone"])
+def test_the_gemm_takes_operands_at_any_alignment(misaligned, precision):
+    """cuBLASLt's heuristic is told where x and weight start, one element past a 256-byte boundary (4 or 2
+    bytes); a bias there (for which cuBLASLt takes no hint) runs at::linear instead. Both match the reference."""
     dtype = DTYPES[precision]
-    m, k, n = 64, 129, 96
-    x = torch.randn(m * k + 1, device="cuda").to(dtype)[1:].view(m, k)
-    weight = (torch.randn(n * k + 1, device="cuda") * k ** -0.5).to(dtype)[1:].view(n, k)
+    m, k, n = 64, 128 if misaligned == "the bias alone" else 129, 96
+    skip = 1 if misaligned == "every operand" else 0
+    x = torch.randn(m * k + 1, device="cuda").to(dtype)[skip:skip + m * k].view(m, k)
+    weight = (torch.randn(n * k + 1, device="cuda") * k ** -0.5).to(dtype)[skip:skip + n * k].view(n, k)
     bias = torch.randn(n + 1, device="cuda").to(dtype)[1:]
     run_and_check("relu(%0)", x, weight, bias, [], bound_for(precision))
 
