@@ -65,6 +65,7 @@ class NearMiss:
 _AUTOCAST_SWITCHES = tuple(getattr(torch.amp.autocast_mode, name) for name in ("_enter_autocast", "_exit_autocast")
                            if hasattr(torch.amp.autocast_mode, name))
 
+
 @dataclass
 class Facts:
     """What is known of a graph's tensors: module attributes always; shapes when example inputs were given."""
