@@ -93,6 +93,16 @@ def _dag(nodes, canon, leave_out=()) -> nx.DiGraph:
 
 
 def _build(op: str, attrs: dict, function: Callable) -> Idiom:
+    if op not in EPILOGUE_OPS:
+        raise ValueError(f"idiom {function.__name__}: {op!r} is not an epilogue op ({', '.join(sorted(EPILOGUE_OPS))})")
+    spec = EPILOGUE_OPS[op]
+    unknown = sorted(set(attrs) - set(spec.operands) - set(spec.attrs))
+    if unknown:
+        raise TypeError(f"idiom {function.__name__}: {op} has no operand or attribute {', '.join(unknown)} "
+                        f"(operands {spec.operands}, attributes {spec.attrs})")
+    not_none = sorted(name for name in set(attrs) & set(spec.operands) if attrs[name] is not None)
+    if not_none:
+        raise TypeError(f"idiom {function.__name__}: a fixed operand can only be None ({', '.join(not_none)})")
     gm = fx.symbolic_trace(function)
     canon = {n: c for n in gm.graph.nodes if (c := canonical_of(n, gm)) is not None}
     params = inspect.signature(function).parameters
@@ -137,6 +147,8 @@ def _match_scalars(idiom: Idiom, mapping: dict, canon) -> dict[str, Any] | None:
             return None
         pc, mc = idiom.canon.get(pattern_node), canon.get(model_node)
         if pc is not None and mc is not None:
+            if set(mc.attrs) != set(pc.attrs):  # e.g. the model's mean has a dtype= the idiom's has not
+                return None
             for key, value in pc.attrs.items():
                 if not _same_number(value, mc.attrs.get(key)):
                     return None

@@ -61,9 +61,11 @@ class NearMiss:
 
 # ---------------------------------------------------------------- facts about tensors
 
-# Dynamo's graphs mark where a `with torch.autocast(...)` block starts and ends.
-_AUTOCAST_SWITCHES = tuple(getattr(torch.amp.autocast_mode, name) for name in ("_enter_autocast", "_exit_autocast")
-                           if hasattr(torch.amp.autocast_mode, name))
+# Dynamo's graphs mark where a `with torch.autocast(...)` block starts and ends, and where grad mode changes
+# (`with torch.no_grad():`): a fused op runs under one state, that of the region's last op.
+_MODE_SWITCHES = (torch._C._set_grad_enabled,) + tuple(
+    getattr(torch.amp.autocast_mode, name) for name in ("_enter_autocast", "_exit_autocast")
+    if hasattr(torch.amp.autocast_mode, name))
 
 
 @dataclass
@@ -78,9 +80,9 @@ class Facts:
         return self.replaced.get(obj, obj) if isinstance(obj, fx.Node) else obj
 
     @functools.cached_property
-    def autocast_switches(self) -> list[fx.Node]:
-        """The nodes that start or end a `with torch.autocast(...)` block (Dynamo's graphs hold them)."""
-        return [n for n in self.gm.graph.nodes if n.op == "call_function" and n.target in _AUTOCAST_SWITCHES]
+    def mode_switches(self) -> list[fx.Node]:
+        """The nodes that start or end an autocast block or change grad mode (Dynamo's graphs hold them)."""
+        return [n for n in self.gm.graph.nodes if n.op == "call_function" and n.target in _MODE_SWITCHES]
 
     def tensor(self, obj) -> torch.Tensor | None:
         """A real or fake tensor with the shape and dtype of `obj`, or None if unknown."""
@@ -253,10 +255,10 @@ class _Growth:
         if reduced:
             self.reduced.add(index)
 
-    def autocast_switch_before(self, node: fx.Node) -> fx.Node | None:
-        """The first node that starts or ends an autocast block after the GEMM and before `node`, if any."""
+    def mode_switch_before(self, node: fx.Node) -> fx.Node | None:
+        """The first node that switches autocast or grad mode after the GEMM and before `node`, if any."""
         low, high = self.facts.position[self.anchor], self.facts.position[node]
-        return next((s for s in self.facts.autocast_switches if low < self.facts.position[s] < high), None)
+        return next((s for s in self.facts.mode_switches if low < self.facts.position[s] < high), None)
 
     def admit(self, node: fx.Node) -> str | None:
         """Add `node` to the region, or say why it can't be added."""
@@ -267,9 +269,10 @@ class _Growth:
             return c.problem
         if c.op == LINEAR:
             return Boundary(f"{describe(node)} is another GEMM")
-        switch = self.autocast_switch_before(node)
-        if switch is not None:  # the fused op runs where the region's last op was, under that op's autocast state
-            return f"{describe(switch)} starts or ends an autocast block between the GEMM and {describe(node)}"
+        switch = self.mode_switch_before(node)
+        if switch is not None:  # the fused op runs where the region's last op was, under that op's modes
+            what = "grad mode" if switch.target is torch._C._set_grad_enabled else "autocast"
+            return f"{describe(switch)} switches {what} between the GEMM and {describe(node)}"
         mutated = self.facts.resolve(c.inplace_of)
         if mutated is not None and mutated not in self.member_set:
             return f"in-place {describe(node)} mutates {describe(mutated)}, which is outside the region"
@@ -296,6 +299,9 @@ class _Growth:
         if dtype_needed is not None and dtype_needed != self.dtype:
             return (f"{c.op} with dtype={_dtype_name(dtype_needed)} makes its {_dtype_name(self.dtype)} value "
                     f"{_dtype_name(dtype_needed)}")
+        if dtype_needed is not None:  # a no-op as traced, but under autocast the GEMM output is autocast's dtype
+            return (f"{c.op} with dtype={_dtype_name(dtype_needed)} pins its result's dtype, which the fused op "
+                    "would not under autocast")
         rank = self.result_rank(operands)
         problem = self.row_local_problem(node, c, spec, values[0].index, rank)
         if problem:

@@ -51,5 +51,5 @@ def leaky_relu_from_where(x, *, negative_slope):
 
 
 @idiom("rms_norm", weight=None)
-def rms_norm_by_rsqrt(x, *, eps):  # LLaMA's and T5's RMSNorm, before its weight
+def rms_norm_by_rsqrt(x, *, eps):  # RMSNorm's formula as LLaMA and T5 write it (without their dtype casts)
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)

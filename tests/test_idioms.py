@@ -2,6 +2,7 @@
 declares with ``fxfuse.idiom`` without editing fxfuse. Scalars of an idiom are captured, never baked in.
 """
 import math
+import re
 
 import pytest
 import torch
@@ -140,3 +141,25 @@ def test_user_idiom_of_two_tensors(scratch_idioms):
 
 def test_user_idioms_do_not_leak_between_tests():
     assert all(i.function.__module__ != __name__ for i in idioms.IDIOMS)
+
+
+@pytest.mark.parametrize("op, fixed, message", [
+    ("nosuchop", {}, "'nosuchop' is not an epilogue op"),
+    ("rms_norm", {"wieght": None}, "rms_norm has no operand or attribute wieght"),
+    ("rms_norm", {"weight": 1.0}, "a fixed operand can only be None (weight)"),
+])
+def test_an_idiom_with_a_wrong_declaration_says_what(op, fixed, message, scratch_idioms):
+    with pytest.raises((TypeError, ValueError), match=re.escape(message)):
+        @fxfuse.idiom(op, **fixed)
+        def spelled(x, *, eps):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def test_an_idiom_whose_op_has_an_extra_argument_is_not_matched():
+    """The model's mean has a dtype= that the idiom's has not: not rms_norm (which would drop the dtype); the
+    mean itself is then refused for its pinned dtype, and the region stops before it."""
+    model = GemmThen(on_gemm(lambda h: h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True, dtype=torch.float32) + 1e-6)))
+    optimized = fxfuse.optimize(model, (torch.randn(BATCH, IN),))
+    assert not any("rms_norm" in program for program in fused_programs(optimized))
+    reasons = [row.reason for row in optimized.fxfuse_report.near_misses]
+    assert any("pins its result's dtype" in reason for reason in reasons), reasons

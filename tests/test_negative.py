@@ -159,6 +159,13 @@ NOT_ROW_LOCAL = {
     "group_norm-on-3-D": (lambda m, x, y: F.group_norm(m.fc(x), 5), "group_norm on a 3-D output"),
     "softmax-with-dtype": (lambda m, x, y: F.softmax(m.fc(x), -1, dtype=torch.float64), "softmax with dtype"),
     "sum-with-dtype": (lambda m, x, y: m.fc(x).sum(-1, dtype=torch.float64), "sum with dtype"),
+    # dtype= of the value's own dtype is a no-op as traced, but pins the result under autocast (MoE routers' fp32
+    # softmax): refused, by keyword and by position where torch.* takes it
+    "softmax-own-dtype": (lambda m, x, y: F.softmax(m.fc(x), -1, dtype=torch.float32), "pins its result's dtype"),
+    "torch.softmax-own-dtype-positional": (lambda m, x, y: torch.softmax(m.fc(x), -1, torch.float32),
+                                           "softmax with dtype=float32 pins"),
+    "log_softmax-own-dtype": (lambda m, x, y: m.fc(x).log_softmax(-1, torch.float32), "log_softmax with dtype"),
+    "sum-own-dtype": (lambda m, x, y: m.fc(x).sum(-1, dtype=torch.float32), "sum with dtype=float32 pins"),
 }
 THREE_D = {"mean-over-rows-of-3-D", "log_softmax-over-dim-1-of-3-D", "layer_norm-two-dims", "group_norm-on-3-D"}
 

@@ -383,13 +383,6 @@ REDUCTIONS = [
     case("torch.max(x,axis=1).values", "max_dim(%0,1,False)", linear_then(lambda h: torch.max(h, axis=1).values)),
     case("Tensor.logsumexp-axis", "logsumexp(%0,1,False)", linear_then(lambda h: h.logsumexp(axis=1))),
     case("torch.softmax-axis", "softmax(%0,-1)", linear_then(lambda h: torch.softmax(h, axis=-1))),
-    # dtype= of the value's own dtype changes nothing: by keyword, and by position where torch.* takes it
-    case("F.softmax-own-dtype", "softmax(%0,-1)", linear_then(lambda h: F.softmax(h, -1, dtype=torch.float32))),
-    case("torch.softmax-own-dtype-positional", "softmax(%0,-1)",
-         linear_then(lambda h: torch.softmax(h, -1, torch.float32))),
-    case("Tensor.log_softmax-own-dtype", "log_softmax(%0,-1)",
-         linear_then(lambda h: h.log_softmax(-1, torch.float32))),
-    case("Tensor.sum-own-dtype", "sum(%0,-1,False)", linear_then(lambda h: h.sum(-1, dtype=torch.float32))),
     # pointwise ops after a reduction, broadcasting the reduced value
     case("sum-keepdim+param", "add", lambda m, x, y: m.fc(x).sum(1, keepdim=True) + m.b, b=vector(1)),
     case("mean*scalar", "mul", linear_then(lambda h: h.mean(1) * 3.0)),

@@ -461,3 +461,28 @@ def test_gradients_on_bounds_and_ties_are_eagers(spelling, canonical, mode):
     (program,) = [row.program for row in optimized.fxfuse_report.fused]
     assert f"{canonical}(" in program, program
     assert_gradients_match(model, optimized, [x], rtol=0, atol=0)
+
+
+class RowMaxWithoutGrad(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 12)
+
+    def forward(self, x):
+        h = self.fc(x)
+        with torch.no_grad():
+            m = h.amax(-1, keepdim=True)
+        return torch.exp(h - m)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_a_region_never_spans_a_grad_mode_switch():
+    """Dynamo's graph holds `_set_grad_enabled` around the no_grad block: the amax inside it is not fused with
+    the ops after it, so no gradient flows through the max, as in eager."""
+    torch.manual_seed(0)
+    model, x = RowMaxWithoutGrad().train(), torch.randn(5, 6)
+    backend = fxfuse.make_backend(inner="eager")
+    compiled = torch.compile(model, backend=backend)
+    assert_gradients_match(model, compiled, [x], rtol=1e-5, atol=1e-6)
+    reasons = [row.reason for report in backend.reports for row in report.near_misses]
+    assert any("switches grad mode" in reason for reason in reasons), reasons
