@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import types
 import logging
+import sys
+import types
 from typing import Any, Sequence
 
 import torch
@@ -65,12 +66,38 @@ def _unpickle_fused(rebuild, args) -> FusedGraphModule:
     return fused
 
 
+# What `with torch.no_grad():`, `torch.enable_grad()`, `torch.set_grad_enabled(...)` and `torch.autocast(...)` call.
+_MODE_SETTERS = {torch._C._set_grad_enabled: "grad mode", torch.set_autocast_enabled: "autocast"}
+
+
+@contextlib.contextmanager
+def _watching_mode_switches():
+    """Collects the modes a forward switches while fx traces it. The trace records the ops, not the mode they ran
+    under: a model whose forward has a `torch.no_grad()` or `torch.autocast(...)` block can't be traced whole."""
+    switched: list[str] = []
+
+    def watch(frame, event, function):
+        if event == "c_call" and function in _MODE_SETTERS:
+            switched.append(_MODE_SETTERS[function])
+
+    previous = sys.getprofile()
+    sys.setprofile(watch)
+    try:
+        yield switched
+    finally:
+        sys.setprofile(previous)
+
+
 def _trace(model: nn.Module) -> fx.GraphModule:
     if isinstance(model, fx.GraphModule):
         gm = FusedGraphModule(model, copy.deepcopy(model.graph), class_name=type(model).__name__)
     else:
         tracer = fx.Tracer()
-        graph = tracer.trace(model)
+        with _watching_mode_switches() as switched:
+            graph = tracer.trace(model)
+        if switched:
+            raise RuntimeError(f"its forward switches {' and '.join(sorted(set(switched)))}, which an fx trace "
+                               "would drop (torch.compile(model, backend='fxfuse') keeps it)")
         gm = FusedGraphModule(tracer.root, graph, class_name=type(model).__name__)
     _adopt_state(gm, model)
     return gm

@@ -160,3 +160,17 @@ def test_optimized_model_under_cuda_autocast(name, caplog):
     with caplog.at_level("DEBUG", logger="fxfuse"):
         _check_under_autocast(model, optimized, x, "cuda", fused_below=TAILS[name][1])
     assert not [r for r in caplog.records if "runs the reference" in r.getMessage()]
+
+
+def test_optimize_leaves_a_forward_with_an_autocast_block_to_its_children():
+    """An fx trace would drop the block: its GEMM would then follow the caller's autocast. optimize() leaves the
+    model's own forward, whose result is eager's (fp32 from inside the block)."""
+    torch.manual_seed(0)
+    model, x = AutocastOffInside().eval(), torch.randn(16, 32)
+    optimized = fxfuse.optimize(model, (x,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected, actual = model(x), optimized(x)
+    assert actual.dtype == expected.dtype == torch.float32
+    assert torch.equal(actual, expected)
+    (skipped,) = optimized.fxfuse_report.skipped
+    assert "switches autocast" in skipped.reason, skipped.reason

@@ -486,3 +486,14 @@ def test_a_region_never_spans_a_grad_mode_switch():
     assert_gradients_match(model, compiled, [x], rtol=1e-5, atol=1e-6)
     reasons = [row.reason for report in backend.reports for row in report.near_misses]
     assert any("switches grad mode" in reason for reason in reasons), reasons
+
+
+def test_optimize_leaves_a_forward_that_switches_grad_mode_to_its_children():
+    """fx records the ops of a `torch.no_grad()` block, not the mode they ran under: a traced graph would give the
+    row max a gradient. optimize() says so and leaves the model's own forward (its children are tried)."""
+    torch.manual_seed(0)
+    model, x = RowMaxWithoutGrad().train(), torch.randn(5, 6)
+    optimized = fxfuse.optimize(model, (x,))
+    assert_gradients_match(model, optimized, [x], rtol=1e-5, atol=1e-6)
+    (skipped,) = optimized.fxfuse_report.skipped
+    assert "switches grad mode" in skipped.reason, skipped.reason
