@@ -80,12 +80,15 @@ def _watching_mode_switches():
         if event == "c_call" and function in _MODE_SETTERS:
             switched.append(_MODE_SETTERS[function])
 
-    previous = sys.getprofile()
+    if sys.getprofile() is not None:  # a profiler of the caller's (cProfile's can't be chained): leave it be
+        logger.info("fxfuse: a profiler is active; a torch.no_grad() or autocast block in forward goes unseen")
+        yield switched
+        return
     sys.setprofile(watch)
     try:
         yield switched
     finally:
-        sys.setprofile(previous)
+        sys.setprofile(None)
 
 
 def _trace(model: nn.Module) -> fx.GraphModule:
