@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import logging
-import sys
 import types
 from typing import Any, Sequence
 
@@ -33,9 +33,22 @@ class FusedGraphModule(fx.GraphModule):
     every tensor it reads as a persistent buffer (fx's tensor constants included); these overrides give the
     rebuilt module the model's state again, so that its state_dict keys stay those of the model."""
 
+    # (the mode the graph was traced in, the call that fixed it), where the forward passed self.training on
+    traced_training: tuple[bool, str] | None = None
+
+    def __call__(self, *args, **kwargs):
+        if self.traced_training is not None and self.training != self.traced_training[0]:
+            mode = "train" if self.traced_training[0] else "eval"
+            raise RuntimeError(f"fxfuse: this model was optimized in {mode} mode, and its graph fixed "
+                               f"`{self.traced_training[1]}`'s training argument then; run fxfuse.optimize() on "
+                               "the model in the mode you use (or torch.compile(model, backend='fxfuse'), which "
+                               "recompiles on a mode change)")
+        return super().__call__(*args, **kwargs)
+
     def __deepcopy__(self, memo):
         copied = super().__deepcopy__(memo)
         _adopt_state(copied, _state_of(copy.deepcopy(self.__dict__, memo)))
+        copied.traced_training = self.traced_training
         return copied
 
     def __reduce__(self):
@@ -66,42 +79,80 @@ def _unpickle_fused(rebuild, args) -> FusedGraphModule:
     return fused
 
 
-# What `with torch.no_grad():`, `torch.enable_grad()`, `torch.set_grad_enabled(...)` and `torch.autocast(...)` call.
-_MODE_SETTERS = {torch._C._set_grad_enabled: "grad mode", torch.set_autocast_enabled: "autocast"}
+# What `torch.no_grad()`, `torch.enable_grad()`, `torch.set_grad_enabled(...)`, `torch.inference_mode()` and
+# `torch.autocast(...)` call on entry and exit (looked up on their module at each call).
+_MODE_SETTERS = ((torch._C, "_set_grad_enabled", "grad mode"), (torch._C, "_InferenceMode", "inference mode"),
+                 (torch, "set_autocast_enabled", "autocast"))
 
 
 @contextlib.contextmanager
 def _watching_mode_switches():
     """Collects the modes a forward switches while fx traces it. The trace records the ops, not the mode they ran
-    under: a model whose forward has a `torch.no_grad()` or `torch.autocast(...)` block can't be traced whole."""
+    under: a model whose forward has a `torch.no_grad()` or `torch.autocast(...)` block can't be traced whole.
+    The setters are wrapped for the trace's duration (a call from another thread meanwhile counts too: the
+    model is then tried child by child, which is never wrong)."""
     switched: list[str] = []
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in _MODE_SETTERS]
 
-    def watch(frame, event, function):
-        if event == "c_call" and function in _MODE_SETTERS:
-            switched.append(_MODE_SETTERS[function])
+    def recording(function, what):
+        def record(*args, **kwargs):
+            switched.append(what)
+            return function(*args, **kwargs)
+        return record
 
-    if sys.getprofile() is not None:  # a profiler of the caller's (cProfile's can't be chained): leave it be
-        logger.info("fxfuse: a profiler is active; a torch.no_grad() or autocast block in forward goes unseen")
-        yield switched
-        return
-    sys.setprofile(watch)
+    for (owner, name, function), (_, _, what) in zip(originals, _MODE_SETTERS):
+        setattr(owner, name, recording(function, what))
     try:
         yield switched
     finally:
-        sys.setprofile(None)
+        for owner, name, function in originals:
+            setattr(owner, name, function)
 
 
-def _trace(model: nn.Module) -> fx.GraphModule:
+def _none_defaults(model: nn.Module, given: int | None) -> dict[str, None]:
+    """The forward's parameters past the `given` example inputs whose default is None: traced as None (fx checks
+    at every call that they still are), not as a tensor that the trace would take `is not None` branches for.
+    Without example inputs (None) every parameter stays a graph input."""
+    if given is None:
+        return {}
+    try:
+        parameters = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return {}
+    return {p.name: None for p in parameters[given:]
+            if p.default is None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+# Functions whose `training` argument the trace fixes at the value `self.training` had (F.dropout(x, p,
+# training=self.training)): a graph that calls one is only right in the mode it was traced in.
+def _mode_dependent_call(graph: fx.Graph, training: bool) -> fx.Node | None:
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        try:
+            bound = inspect.signature(node.target).bind(*node.args, **node.kwargs)
+        except (TypeError, ValueError):
+            continue
+        value = bound.arguments.get("training")
+        if isinstance(value, bool) and value == training:
+            return node
+    return None
+
+
+def _trace(model: nn.Module, given_inputs: int | None) -> fx.GraphModule:
     if isinstance(model, fx.GraphModule):
         gm = FusedGraphModule(model, copy.deepcopy(model.graph), class_name=type(model).__name__)
     else:
         tracer = fx.Tracer()
         with _watching_mode_switches() as switched:
-            graph = tracer.trace(model)
+            graph = tracer.trace(model, concrete_args=_none_defaults(model, given_inputs) or None)
         if switched:
             raise RuntimeError(f"its forward switches {' and '.join(sorted(set(switched)))}, which an fx trace "
                                "would drop (torch.compile(model, backend='fxfuse') keeps it)")
         gm = FusedGraphModule(tracer.root, graph, class_name=type(model).__name__)
+        dependent = _mode_dependent_call(graph, model.training)
+        if dependent is not None:
+            gm.traced_training = (model.training, dependent.name)
     _adopt_state(gm, model)
     return gm
 
@@ -118,6 +169,10 @@ def _attribute(root: nn.Module, path: str):
     return value
 
 
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+               "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks")
+
+
 def _adopt_state(gm: fx.GraphModule, model: nn.Module) -> None:
     """Give `gm` the model's own children, parameters and buffers: the same objects, in the same order, with the
     same persistence, used by the graph or not. GraphModule copies only what the graph reads (so nested unused
@@ -129,6 +184,9 @@ def _adopt_state(gm: fx.GraphModule, model: nn.Module) -> None:
     gm._buffers = dict(model._buffers)
     gm._non_persistent_buffers_set = set(model._non_persistent_buffers_set)
     gm.training = model.training
+    for name in _HOOK_DICTS:  # the root's own hooks run around the optimized forward as around the model's
+        if hasattr(model, name):
+            setattr(gm, name, type(getattr(model, name))(getattr(model, name)))
     for path, value in read.items():
         # Tensors the tracer made constants of, or plain tensor attributes of the model: not state.
         if _attribute(gm, path) is _MISSING and "." not in path:
@@ -144,6 +202,9 @@ def _fake_buffers(gm: fx.GraphModule, mode):
         for name, buffer in module._buffers.items():
             if buffer is not None:
                 swapped.append((module, name, buffer))
+    # Plain tensor attributes too: a hook may set one on the fake run (the old weight_norm's `weight`).
+    attributes = {module: {k: v for k, v in vars(module).items() if isinstance(v, torch.Tensor)}
+                  for module in gm.modules()}
     try:
         for module, name, buffer in swapped:
             module._buffers[name] = mode.from_tensor(buffer)
@@ -151,6 +212,11 @@ def _fake_buffers(gm: fx.GraphModule, mode):
     finally:
         for module, name, buffer in swapped:
             module._buffers[name] = buffer
+        for module, before in attributes.items():
+            for name in [k for k, v in vars(module).items() if isinstance(v, torch.Tensor) and k not in before]:
+                delattr(module, name)
+            for name, value in before.items():
+                object.__setattr__(module, name, value)
 
 
 def _propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
@@ -207,7 +273,7 @@ def _trains(model: nn.Module, example_inputs) -> bool:
 
 def _optimize(model: nn.Module, example_inputs, path: str, report: Report) -> nn.Module:
     try:
-        gm = _trace(model)
+        gm = _trace(model, None if example_inputs is None else len(example_inputs))
     except Exception as error:
         reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         logger.info("fxfuse: %s can't be traced (%s); trying its children", path or "the model", reason)

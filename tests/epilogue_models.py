@@ -40,6 +40,8 @@ class GemmThen(nn.Module):
         return self.epilogue(self, x, y)
 
 
+_ASSERT_IS_NONE = torch.fx._symbolic_trace._assert_is_none
+
 # Nodes a fully fused graph may still hold besides the fused ops (and their eval-mode checks): inputs,
 # attributes, the output, the transpose of a weight that the GEMM reads as `x @ W`, and the result taken out of
 # a training op's (out, gemm_out).
@@ -53,7 +55,7 @@ def leftover_compute(module: nn.Module) -> list[str]:
         for node in graph_module.graph.nodes:
             if node.op in _BOOKKEEPING:
                 continue
-            if node.target in (*FUSED_OPS, *GRAPH_HELPERS):
+            if node.target in (*FUSED_OPS, *GRAPH_HELPERS, _ASSERT_IS_NONE):  # fx's check of an argument traced as None
                 continue
             if node.target is operator.getitem and node.args[0].target is gemm_epilogue_train:
                 continue

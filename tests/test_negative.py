@@ -2,6 +2,8 @@
 
 Every test also checks that the optimized model still computes what eager computes.
 """
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -9,7 +11,7 @@ import torch.nn.functional as F
 
 import fxfuse
 from epilogue_models import (BATCH, IN, OUT, GemmThen, assert_reason, assert_whole_chain_fused, fused_programs,
-                             leftover_compute)
+                             leftover_compute, reasons)
 from fxfuse.testing import assert_close_report, assert_fuses, assert_not_fused, fused_op_count
 
 
@@ -723,3 +725,101 @@ def test_model_with_nothing_to_fuse_keeps_its_own_forward():
     a = optimized(x)
     torch.manual_seed(0)
     assert_close_report(a, model(x))  # dropout is on in train mode, as in eager
+
+
+# ---------------------------------------------------------------- what an fx trace would fix or drop
+
+class DropoutByMode(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(IN, OUT)
+
+    def forward(self, x):
+        return F.dropout(F.gelu(self.fc(x)), 0.5, training=self.training)
+
+
+def test_a_graph_that_fixed_self_training_refuses_the_other_mode():
+    """`F.dropout(..., training=self.training)` is traced with the mode of that moment: after a switch the
+    optimized model raises instead of dropping (or not) as the old mode did."""
+    model, x = DropoutByMode().eval(), rows()
+    optimized = fxfuse.optimize(model, (x,))
+    assert_close_report(optimized(x), model(x))
+    optimized.train()
+    with pytest.raises(RuntimeError, match="optimized in eval mode"):
+        optimized(x)
+    optimized.eval()
+    assert_close_report(optimized(x), model.eval()(x))
+
+
+class OptionalMask(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(IN, OUT)
+
+    def forward(self, x, mask=None):
+        h = F.gelu(self.fc(x))
+        if mask is not None:
+            h = h * mask
+        return h
+
+
+def test_an_argument_left_out_of_the_example_inputs_is_traced_as_its_none_default():
+    """The trace would otherwise take `mask is not None` for a tensor and fuse it as a param; fx checks at every
+    call that it is still None."""
+    model, x = OptionalMask(), rows()
+    optimized = fxfuse.optimize(model, (x,))
+    assert fused_programs(optimized) == ["gelu(%0,'none')"]
+    assert_close_report(optimized(x), model(x))
+    with pytest.raises(AssertionError, match="mask has been specialized to have value None"):
+        optimized(x, torch.ones(OUT))
+
+
+@pytest.mark.parametrize("hook", ["forward hook", "forward pre-hook"])
+def test_a_module_with_hooks_is_not_fused(hook):
+    model, x = nn.Sequential(nn.Linear(IN, OUT), nn.ReLU()), rows()
+    if hook == "forward hook":
+        model[0].register_forward_hook(lambda module, args, out: out - 100.0)
+    else:
+        model[1].register_forward_pre_hook(lambda module, args: (args[0] + 100.0,))
+    optimized = fxfuse.optimize(model, (x,))
+    assert_close_report(optimized(x), model(x))
+    assert any("which a fused op would not run" in reason for reason in reasons(optimized))
+
+
+def test_the_root_modules_hooks_run_around_the_optimized_forward():
+    model, x = nn.Sequential(nn.Linear(IN, OUT), nn.ReLU()), rows()
+    model.register_forward_hook(lambda module, args, out: out + 5.0)
+    optimized = fxfuse.optimize(model, (x,))
+    assert fused_op_count(optimized) == 1
+    assert_close_report(optimized(x), model(x))
+
+
+def test_shapes_on_fake_tensors_leave_no_fake_attribute_behind():
+    """The old weight_norm's pre-hook sets `weight` as a plain attribute on every call: on the fake run too."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = nn.Sequential(nn.utils.weight_norm(nn.Linear(IN, OUT)), nn.ReLU())
+    x = rows()
+    fxfuse.explain(model, (x,))
+    optimized = fxfuse.optimize(model, (x,))
+    assert type(model[0].weight) is torch.Tensor
+    assert_close_report(optimized(x), model(x))
+
+
+class InferenceModeInside(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(IN, OUT)
+
+    def forward(self, x):
+        h = self.fc(x)
+        with torch.inference_mode():
+            m = h.amax(-1, keepdim=True)
+        return torch.relu(h) * 2.0 + m.clone()
+
+
+def test_an_inference_mode_block_is_a_mode_switch_too():
+    model, x = InferenceModeInside(), rows()
+    optimized = fxfuse.optimize(model, (x,))
+    (skipped,) = optimized.fxfuse_report.skipped
+    assert "switches inference mode" in skipped.reason, skipped.reason
