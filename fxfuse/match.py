@@ -23,6 +23,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .canonicalize import COVERED, IDENTITY, LINEAR, Attr, Canonical
+from .library import FUSED_OPS
 from .epilogue import EPILOGUE_OPS, NORM, POINTWISE, REDUCTION
 from .program import Instruction, Param, Program, Value
 
@@ -263,6 +264,8 @@ class _Growth:
     def admit(self, node: fx.Node) -> str | None:
         """Add `node` to the region, or say why it can't be added."""
         c = self.canon.get(node)
+        if c is None and node.op == "call_function" and node.target in FUSED_OPS:
+            return Boundary(f"{describe(node)} is another region's fused op")
         if c is None:
             return f"{describe(node)} ({_target_name(node)}) is not an epilogue op"
         if c.problem:
