@@ -355,6 +355,8 @@ def _rms_norm(a, inplace):
 def _batch_norm(a, inplace):
     if a["training"]:
         raise NotFusible("train-mode batch_norm normalizes over the batch, not within a row")
+    if a["running_mean"] is None or a["running_var"] is None:  # eager normalizes by the batch's statistics
+        raise NotFusible("batch_norm without running statistics normalizes over the batch, not within a row")
     return Canonical("batch_norm", (a["input"], a["running_mean"], a["running_var"], a["weight"], a["bias"]),
                      {"eps": float(a["eps"])})
 
@@ -627,7 +629,7 @@ def _module_call(module: nn.Module, path: str):
     if kind is getattr(nn, "RMSNorm", None):
         return F.rms_norm, (module.normalized_shape, T("weight"), module.eps), {}
     if kind is nn.BatchNorm1d:
-        training = module.training or module.running_mean is None
+        training = module.training
         return F.batch_norm, (T("running_mean"), T("running_var"), T("weight"), T("bias"), training,
                               0.0, module.eps), {}
     if kind is nn.InstanceNorm1d:

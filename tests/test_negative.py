@@ -823,3 +823,8 @@ def test_an_inference_mode_block_is_a_mode_switch_too():
     optimized = fxfuse.optimize(model, (x,))
     (skipped,) = optimized.fxfuse_report.skipped
     assert "switches inference mode" in skipped.reason, skipped.reason
+
+
+def test_batch_norm_without_running_statistics_is_not_fused_and_says_why():
+    model = nn.Sequential(nn.Linear(IN, OUT), nn.BatchNorm1d(OUT, track_running_stats=False), nn.ReLU()).eval()
+    assert_not_fused(model, (rows(),), reason="batch_norm without running statistics normalizes over the batch")
