@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import re
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -106,6 +107,12 @@ def _is_real_tensor(value) -> bool:
     return isinstance(value, torch.Tensor) and not is_fake(value)
 
 
+# An attribute of an object the frame holds (the module, `self.scale`, `L['self'].scale` or, through torch.compile's
+# wrapper, `L['fn']._modules['act'].negative_slope`), as opposed to a forward argument (`L['scale']`), an item
+# of one (`L['cfg']['scale']`, `L['args'][1]`) or a global (`G['K']`).
+_ATTRIBUTE_OF_A_LOCAL = re.compile(r"^L\['[^']+'\]\.")
+
+
 def pin_traced_scalars(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> int:
     """Turn the module floats that Dynamo passes as graph inputs (``dynamic=True``) back into constants.
 
@@ -113,15 +120,17 @@ def pin_traced_scalars(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> int
     graph reads with ``.item()``. The fused op's program needs the number itself, so each read is replaced
     by its value at compile time, and an in-graph check (``_assert_async``) makes a later call with another
     value fail loudly instead of computing with a stale one. Only reads that feed ops of the fxfuse
-    vocabulary are pinned, and only of module attributes: a float the caller passes (`forward(x, scale)`) changes
-    from call to call and stays a traced value (the op that reads it is then not fused). Returns how many were.
+    vocabulary are pinned, and only of attributes (`_ATTRIBUTE_OF_A_LOCAL`): a float the caller passes
+    (`forward(x, scale)`, `cfg["scale"]`, `*args`) or a global changes from call to call and stays a traced value
+    (the op that reads it is then not fused). Returns how many were.
     """
-    from torch._dynamo.source import LocalSource
-
     from .canonicalize import canonical_of
 
     def passed_by_caller(placeholder):
-        return isinstance(getattr(placeholder.meta.get("grapharg"), "source", None), LocalSource)
+        source = getattr(placeholder.meta.get("grapharg"), "source", None)
+        name = getattr(source, "name", None)
+        name = name() if callable(name) else name  # a method before torch 2.12, a property since
+        return not (isinstance(name, str) and _ATTRIBUTE_OF_A_LOCAL.match(name))
 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     value_of = dict(zip(placeholders, example_inputs))

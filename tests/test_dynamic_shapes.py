@@ -140,18 +140,24 @@ def test_dynamic_module_float_is_pinned_and_checked():
             assert_close_report(result, model(x))
 
 
-def test_float_passed_by_the_caller_is_not_pinned():
+@pytest.mark.parametrize("passed", ["argument", "dict item", "positional *args"])
+def test_float_passed_by_the_caller_is_not_pinned(passed):
     """dynamic=True makes a forward's float argument a graph input too; unlike a module's float it changes from
-    call to call, so it stays a traced value (the op that reads it is not fused) and every value works."""
-    def model(x, slope: float):
+    call to call, so it stays a traced value (the op that reads it is not fused) and every value works, however
+    the caller passes it."""
+    def epilogue(x, slope):
         return torch.relu(nn.functional.linear(x, weight)) + F.leaky_relu(x @ weight.t(), slope)
 
+    model = {"argument": lambda x, slope: epilogue(x, slope),
+             "dict item": lambda x, cfg: epilogue(x, cfg["slope"]),
+             "positional *args": lambda x, *args: epilogue(x, args[0])}[passed]
+    wrap = (lambda slope: {"slope": slope}) if passed == "dict item" else (lambda slope: slope)
     weight = torch.randn(32, 16)
     compiled = torch.compile(model, backend=fxfuse.make_backend(inner="eager"), dynamic=True)
     x = torch.randn(4, 16)
     with torch.no_grad():
         for slope in (0.1, 0.2, 0.3):
-            assert_close_report(compiled(x, slope), model(x, slope))
+            assert_close_report(compiled(x, wrap(slope)), model(x, wrap(slope)))
 
 
 def test_pinned_float_check_fails_loudly_if_the_graph_is_reused_with_another_value():
