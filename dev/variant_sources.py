@@ -38,7 +38,7 @@ def load_kernels(arg: str) -> str:
     import fxfuse.kernels  # also defines the ops the library implements
     from torch.utils import cpp_extension
 
-    from fxfuse.kernels import NVCC_FLAGS, _arch_flags
+    from fxfuse.kernels import NVCC_FLAGS, _arch_flags, _cublaslt_link_flags
 
     if arg == "current":  # the package's own cached build
         assert fxfuse.kernels.load()
@@ -49,7 +49,8 @@ def load_kernels(arg: str) -> str:
     build_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     cpp_extension.load(name=f"fxfuse_variant_{name}", sources=[str(p) for p in translation_units(sources)],
-                       extra_cuda_cflags=NVCC_FLAGS + _arch_flags(), build_directory=str(build_dir),
+                       extra_cuda_cflags=NVCC_FLAGS + _arch_flags(), extra_ldflags=_cublaslt_link_flags(),
+                       build_directory=str(build_dir),
                        is_python_module=False)
     print(f"{name}: built in {time.perf_counter() - start:.0f} s")
     fxfuse.kernels._loaded = True  # fxfuse.optimize's own load() must not register kernels/ over the variant
