@@ -11,6 +11,12 @@ Entry points:
 - ``gemm_epilogue_fallback``, ``gemm_epilogue_train_fallback`` and ``epilogue_backward_fallback``: those ops
   pinned to the reference, plus the reason; the CUDA implementations call them for inputs their kernels don't
   take, and they log that reason at debug level.
+- ``gemm_epilogue_vjp`` and ``epilogue_vjp``: the two backward ops' gradients as differentiable ops, for
+  ``backward(create_graph=True)``.
+
+Autograd: the formulas below (``_backward``, ``_train_backward``), and for CUDA tensors, once ``fxfuse.kernels``
+has loaded, the same formulas in C++ (``kernels/autograd.cpp``, ``TORCH_LIBRARY_IMPL(fxfuse, AutogradCUDA, ...)``),
+which cost a call that records gradients about half the host time.
 
     gemm_epilogue(Tensor x, Tensor weight, Tensor? bias, Tensor[] params, str program) -> Tensor
     gemm_epilogue_train(Tensor x, Tensor weight, Tensor? bias, Tensor[] params, str program) -> (Tensor, Tensor)
@@ -123,6 +129,22 @@ def fake_epilogue_backward(grad_output, gemm_out, params, program, needs_grad):
     return _fake_gradients([gemm_out, *params], needs_grad)
 
 
+def _vjp(function, grad_output, inputs, needs) -> list:
+    """The gradients of ``function(*inputs)`` for the inputs flagged in `needs`, as differentiable ops: by
+    ``torch.func.vjp``, which sees `function` alone (``autograd.grad`` would also run the graph behind a non-leaf
+    input, the kept GEMM output, whenever it reaches another wanted input, a param of the same op)."""
+    positions = [i for i, need in enumerate(needs) if need]
+
+    def of_wanted(*wanted):
+        args = list(inputs)
+        for i, tensor in zip(positions, wanted):
+            args[i] = tensor
+        return function(*args)
+
+    _, pullback = torch.func.vjp(of_wanted, *(inputs[i] for i in positions))
+    return list(pullback(grad_output))
+
+
 def _gradients(grad_output, inputs, needs, function, backward_op):
     """The gradients of ``function(*inputs)`` for the inputs flagged in `needs` (None for the others).
 
@@ -130,26 +152,23 @@ def _gradients(grad_output, inputs, needs, function, backward_op):
     AOTAutograd and Inductor (which would otherwise re-derive and re-round the recomputation, e.g. making
     bfloat16 amin's tie mask empty), and it is where fused CUDA backward kernels plug in. Under
     ``backward(create_graph=True)`` (grad mode on here) `function` is differentiated on the saved inputs
-    themselves instead, so the gradients are differentiable in turn; by ``torch.func.vjp``, which sees `function`
-    alone: ``autograd.grad`` would also run the graph behind a non-leaf input (the kept GEMM output) whenever it
-    reaches another wanted input (a param of the same op).
+    themselves instead (``_vjp``), so the gradients are differentiable in turn.
     """
     if grad_output is None or not any(needs):
         return [None] * len(inputs)
-    if torch.is_grad_enabled():
-        positions = [i for i, need in enumerate(needs) if need]
-
-        def of_wanted(*wanted):
-            args = list(inputs)
-            for i, tensor in zip(positions, wanted):
-                args[i] = tensor
-            return function(*args)
-
-        _, pullback = torch.func.vjp(of_wanted, *(inputs[i] for i in positions))
-        grads = iter(pullback(grad_output))
-    else:
-        grads = iter(backward_op(needs))
+    grads = iter(_vjp(function, grad_output, inputs, needs) if torch.is_grad_enabled() else backward_op(needs))
     return [next(grads) if need else None for need in needs]
+
+
+def epilogue_vjp(grad_output, gemm_out, params, program, needs_grad):
+    """epilogue_backward's gradients as differentiable ops: what the C++ autograd formula of gemm_epilogue_train
+    (kernels/autograd.cpp) runs under ``backward(create_graph=True)``."""
+    return _vjp(_epilogue_of(program), grad_output, [gemm_out, *params], needs_grad)
+
+
+def gemm_epilogue_vjp(grad_output, x, weight, bias, params, program, needs_grad):
+    """gemm_epilogue_backward's gradients as differentiable ops (the same, for gemm_epilogue)."""
+    return _vjp(_gemm_epilogue_of(program), grad_output, [x, weight, bias, *params], needs_grad)
 
 
 def _flat_needs(ctx) -> list[bool]:
@@ -305,6 +324,11 @@ _define("gemm_epilogue_backward", f"(Tensor grad_output, {ARGS}, bool[] needs_gr
         run_reference_backward, fake_backward)
 EPILOGUE_BACKWARD_ARGS = "Tensor grad_output, Tensor gemm_out, Tensor[] params, str program, bool[] needs_grad"
 _define("epilogue_backward", f"({EPILOGUE_BACKWARD_ARGS}) -> Tensor[]", run_epilogue_backward, fake_epilogue_backward)
+# The same gradients as differentiable ops (composite: autograd records the ops they run).
+_library.define(f"gemm_epilogue_vjp(Tensor grad_output, {ARGS}, bool[] needs_grad) -> Tensor[]")
+_library.impl("gemm_epilogue_vjp", gemm_epilogue_vjp, "CompositeImplicitAutograd")
+_library.define(f"epilogue_vjp({EPILOGUE_BACKWARD_ARGS}) -> Tensor[]")
+_library.impl("epilogue_vjp", epilogue_vjp, "CompositeImplicitAutograd")
 _define("epilogue_backward_fallback", f"({EPILOGUE_BACKWARD_ARGS}, str reason) -> Tensor[]",
         _logged(run_epilogue_backward, "epilogue_backward"), _ignoring_reason(fake_epilogue_backward))
 

@@ -151,15 +151,25 @@ def test_a_region_never_spans_an_autocast_blocks_end():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", ["eval", "train"])
 @pytest.mark.parametrize("name", sorted(TAILS))
-def test_optimized_model_under_cuda_autocast(name, caplog):
+def test_optimized_model_under_cuda_autocast(name, mode, caplog):
     """On CUDA autocast runs group_norm in fp32: eager's result is fp32 there, and so is fxfuse's; the fused op
-    gets bf16 tensors only, which the kernels take (no fallback logged)."""
-    model, x = _model(name, "cuda", "eval")
+    gets bf16 tensors only, which the kernels take (no fallback logged). In train mode the gradients (through the
+    C++ autograd formula, kernels/autograd.cpp) are eager's, in the params' dtype."""
+    model, x = _model(name, "cuda", mode)
     optimized = fxfuse.optimize(model, (x,))
     with caplog.at_level("DEBUG", logger="fxfuse"):
-        _check_under_autocast(model, optimized, x, "cuda", fused_below=TAILS[name][1])
+        actual, expected = _check_under_autocast(model, optimized, x, "cuda", fused_below=TAILS[name][1])
     assert not [r for r in caplog.records if "runs the reference" in r.getMessage()]
+    if mode == "train":
+        params = list(model.parameters())
+        fused_grads = torch.autograd.grad(actual.float().square().sum(), params)
+        eager_grads = torch.autograd.grad(expected.float().square().sum(), params)
+        for (what, param), fused, eager in zip(model.named_parameters(), fused_grads, eager_grads):
+            assert fused.dtype == param.dtype
+            error = ((fused.double() - eager.double()).norm() / eager.double().norm()).item()
+            assert error < 2e-2, f"{what}'s gradient is {error:.2e} off eager's under autocast"
 
 
 def test_optimize_leaves_a_forward_with_an_autocast_block_to_its_children():

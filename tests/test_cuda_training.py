@@ -2,7 +2,8 @@
 match eager, under optimize() of the model in train mode (the training op, gemm_epilogue_train: its CUDA forward
 keeps the GEMM output, the backward reuses it) and in eval mode (the inference op, whose backward recomputes the
 forward), and under torch.compile(backend="fxfuse") (the training op, through Inductor); an optimizer step on
-the GPU is eager's step. Skipped without a GPU (tests/conftest.py).
+the GPU is eager's step; the C++ autograd formulas that CUDA tensors get (kernels/autograd.cpp) pass opcheck and
+give the Python ones' gradients, second-order ones included. Skipped without a GPU (tests/conftest.py).
 
 bfloat16 is judged against a float64 reference: the fused gradients may be no further from it than twice
 eager bfloat16's own distance, plus a small floor.
@@ -14,8 +15,11 @@ import torch
 import torch.nn as nn
 
 import fxfuse
+from fxfuse import kernels
 from fxfuse.modelfile import example_files, load_model_file
 from fxfuse.testing import assert_close_report, assert_gradients_match, fused_op_count, gradients
+from test_opcheck import make_args
+from test_training import check_second_order_gradients
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("fresh_dynamo")]
 
@@ -116,3 +120,52 @@ def test_adamw_steps_match_eager(how, device="cuda"):
             optimizer.step()
     for (name, expected), actual in zip(eager.named_parameters(), fused_copy.parameters()):
         assert_close_report(actual, expected, rtol=1e-3, atol=1e-4, what=f"{name} after 3 AdamW steps")
+
+
+# ---------------------------------------------------------------- the C++ autograd formulas (kernels/autograd.cpp)
+
+def _cuda_op_args(name, requires_grad):
+    assert kernels.load()
+    x, weight, bias, params, program = make_args(name, requires_grad=requires_grad)
+    to_cuda = lambda t: None if t is None else t.detach().cuda().requires_grad_(requires_grad)  # noqa: E731
+    return to_cuda(x), to_cuda(weight), to_cuda(bias), [to_cuda(p) for p in params], program
+
+
+@pytest.mark.parametrize("kind", ["gemm_epilogue", "gemm_epilogue_train"])
+def test_cuda_tensors_get_the_cpp_autograd_formula(kind):
+    x, weight, bias, params, program = _cuda_op_args("workload-1", requires_grad=True)
+    out = getattr(torch.ops.fxfuse, kind)(x, weight, bias, params, program)
+    node = (out[0] if isinstance(out, tuple) else out).grad_fn.name()
+    expected = "GemmEpilogueTrain" if kind == "gemm_epilogue_train" else "GemmEpilogue"
+    assert node.startswith("torch::autograd::CppNode<") and node.endswith(f"::{expected}>"), \
+        f"{kind}'s backward node is {node}"
+
+
+@pytest.mark.parametrize("requires_grad", [True, False], ids=["grad", "no-grad"])
+@pytest.mark.parametrize("name", ["workload-1", "workload-2-broadcast", "rms_norm-silu", "outside-operand",
+                                  "layer_norm-gelu-tanh"])
+@pytest.mark.parametrize("kind", ["gemm_epilogue", "gemm_epilogue_train"])
+def test_fused_ops_pass_opcheck_on_the_gpu(kind, name, requires_grad):
+    torch.library.opcheck(getattr(torch.ops.fxfuse, kind).default, _cuda_op_args(name, requires_grad))
+
+
+@pytest.mark.parametrize("kind", ["gemm_epilogue", "gemm_epilogue_train"])
+def test_double_backward_on_the_gpu(kind):
+    assert kernels.load()
+    check_second_order_gradients(kind, "cuda")
+
+
+def test_training_op_gradients_without_bias_and_with_leading_dims_and_only_some_wanted():
+    assert kernels.load()
+    x, weight, _, params, program = make_args("rms_norm-silu")  # x: (2, 3, K)
+    cases = {"all": (True, True, True), "params only": (False, False, True), "x only": (True, False, False)}
+    for case, (x_grad, weight_grad, params_grad) in cases.items():
+        results = []
+        for device in ("cpu", "cuda"):
+            leaves = [x.to(device).requires_grad_(x_grad), weight.to(device).requires_grad_(weight_grad),
+                      *(p.to(device).requires_grad_(params_grad) for p in params)]
+            out, gemm_out = torch.ops.fxfuse.gemm_epilogue_train(leaves[0], leaves[1], None, leaves[2:], program)
+            wanted = [leaf for leaf in leaves if leaf.requires_grad]
+            results.append(torch.autograd.grad((out.square().sum(), gemm_out.sum()), wanted))
+        for i, (actual, expected) in enumerate(zip(results[1], results[0])):
+            assert_close_report(actual.cpu(), expected, rtol=1e-4, atol=1e-4, what=f"{case}: gradient {i}")
