@@ -141,6 +141,8 @@ Tensors linear_gradients(const at::Tensor& grad_y, const at::Tensor& x, const at
 // ================================================================ gemm_epilogue_train
 
 struct GemmEpilogueTrain : torch::autograd::Function<GemmEpilogueTrain> {
+  static constexpr bool is_traceable = true;  // compiled autograd traces the backward instead of breaking there
+
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                                const std::optional<at::Tensor>& bias, at::TensorList params,
                                c10::string_view program) {
@@ -197,6 +199,8 @@ std::tuple<at::Tensor, at::Tensor> gemm_epilogue_train_autograd(const at::Tensor
 // ================================================================ gemm_epilogue
 
 struct GemmEpilogue : torch::autograd::Function<GemmEpilogue> {
+  static constexpr bool is_traceable = true;
+
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const std::optional<at::Tensor>& bias, at::TensorList params, c10::string_view program) {
     const at::Tensor out = inference_below_autograd(x, weight, bias, params, program);
@@ -229,7 +233,12 @@ at::Tensor gemm_epilogue_autograd(const at::Tensor& x, const at::Tensor& weight,
 }  // namespace
 }  // namespace fxfuse
 
-TORCH_LIBRARY_IMPL(fxfuse, AutogradCUDA, m) {
+// tests/test_cpp_autograd.py builds this file alone with FXFUSE_AUTOGRAD_KEY=AutogradCPU, so that the CPU-only CI
+// runs these formulas (over the ops' CPU references).
+#ifndef FXFUSE_AUTOGRAD_KEY
+#define FXFUSE_AUTOGRAD_KEY AutogradCUDA
+#endif
+TORCH_LIBRARY_IMPL(fxfuse, FXFUSE_AUTOGRAD_KEY, m) {
   m.impl("gemm_epilogue", &fxfuse::gemm_epilogue_autograd);
   m.impl("gemm_epilogue_train", &fxfuse::gemm_epilogue_train_autograd);
 }

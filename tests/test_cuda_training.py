@@ -162,8 +162,9 @@ def test_training_op_gradients_without_bias_and_with_leading_dims_and_only_some_
     for case, (x_grad, weight_grad, params_grad) in cases.items():
         results = []
         for device in ("cpu", "cuda"):
-            leaves = [x.to(device).requires_grad_(x_grad), weight.to(device).requires_grad_(weight_grad),
-                      *(p.to(device).requires_grad_(params_grad) for p in params)]
+            leaves = [x.detach().to(device).requires_grad_(x_grad),
+                      weight.detach().to(device).requires_grad_(weight_grad),
+                      *(p.detach().to(device).requires_grad_(params_grad) for p in params)]
             out, gemm_out = torch.ops.fxfuse.gemm_epilogue_train(leaves[0], leaves[1], None, leaves[2:], program)
             wanted = [leaf for leaf in leaves if leaf.requires_grad]
             results.append(torch.autograd.grad((out.square().sum(), gemm_out.sum()), wanted))
