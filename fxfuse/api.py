@@ -244,8 +244,11 @@ def _children_inputs(model: nn.Module, example_inputs) -> dict[str, tuple]:
     hooks = [child.register_forward_pre_hook(lambda mod, args, name=name: seen.setdefault(name, args))
              for name, child in model.named_children()]
     buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}  # the run must not change the model
+    # nor the random streams of the devices it touches (a dropout would move the caller's stream on)
+    tensors = [*model.parameters(), *model.buffers(), *(t for t in example_inputs if isinstance(t, torch.Tensor))]
+    cuda_devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
     try:
-        with torch.no_grad():
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda_devices):
             model(*example_inputs)
     except Exception as error:
         logger.info("fxfuse: could not run the model to find its children's inputs: %s", error)

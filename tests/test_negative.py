@@ -576,6 +576,21 @@ def test_finding_the_inputs_of_an_untraceable_models_children_leaves_its_state_a
         assert torch.equal(tensor, before[name]), f"{name} changed while optimizing"
 
 
+class UntraceableWithDropout(Untraceable):
+    def __init__(self):
+        super().__init__()
+        self.body.append(nn.Dropout(0.5))
+
+
+def test_finding_the_inputs_of_an_untraceable_models_children_leaves_the_random_stream_alone():
+    model, x = UntraceableWithDropout().train(), rows()
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    torch.manual_seed(3)
+    fxfuse.optimize(model, (x,))
+    assert torch.equal(torch.rand(4), expected), "optimize() moved the caller's random stream on"
+
+
 def test_one_tensor_as_example_inputs_is_one_input():
     model = GemmThen(lambda m, x, y: F.instance_norm(m.fc(x)))  # fuses only where the rank (3) is known
     x = torch.randn(2, BATCH, IN)
