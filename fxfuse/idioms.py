@@ -72,11 +72,19 @@ def _label(node: fx.Node, canon: dict[fx.Node, Canonical]):
     return (node.op, None)
 
 
+@dataclass(frozen=True)
+class _Keyword:
+    """A keyword argument of an op outside the vocabulary, which idioms match by position: it equals no
+    positional operand (torch.where(c, other=h, input=y) is where(c, y, h), not where(c, h, y))."""
+    name: str
+    value: Any
+
+
 def _operands(node: fx.Node, canon) -> list:
     c = canon.get(node)
     if c is not None and c.problem is None:
         return list(c.operands)
-    return list(node.args) + list(node.kwargs.values())
+    return list(node.args) + [_Keyword(name, value) for name, value in node.kwargs.items()]
 
 
 def _dag(nodes, canon, leave_out=()) -> nx.DiGraph:
@@ -222,9 +230,14 @@ def apply_idioms(gm: fx.GraphModule, canon: dict[fx.Node, Canonical]) -> None:
             if any(user not in interior and user is not node for m in interior for user in m.users):
                 logger.debug("idiom %s at %s: an interior value is used elsewhere", candidate.op, node.name)
                 continue
+            if any(canon.get(m) is not None and canon[m].inplace_of is not None for m in interior):
+                logger.debug("idiom %s at %s: an interior op is in place", candidate.op, node.name)
+                continue  # its mutation would be lost inside the idiom's op
             tensors = iter(mapping[p] for p in candidate.tensor_inputs)
             operands = tuple(candidate.fixed_operands[name] if name in candidate.fixed_operands else next(tensors)
                              for name in EPILOGUE_OPS[candidate.op].operands)
-            canon[node] = Canonical(candidate.op, operands, {**candidate.attrs, **captured}, covers=tuple(interior))
+            root = canon.get(node)
+            canon[node] = Canonical(candidate.op, operands, {**candidate.attrs, **captured}, covers=tuple(interior),
+                                    inplace_of=None if root is None else root.inplace_of)  # b *= sigmoid(b)
             logger.debug("idiom %s found at %s", candidate.op, node.name)
             break

@@ -163,3 +163,35 @@ def test_an_idiom_whose_op_has_an_extra_argument_is_not_matched():
     assert not any("rms_norm" in program for program in fused_programs(optimized))
     reasons = [row.reason for row in optimized.fxfuse_report.near_misses]
     assert any("pins its result's dtype" in reason for reason in reasons), reasons
+
+
+@pytest.mark.parametrize("spelling", ["leaky", "elu"])
+def test_keyword_arguments_of_an_op_outside_the_vocabulary_are_not_positions(spelling):
+    """torch.where(h > 0, other=h, input=y) is where(h > 0, y, h): the leaky_relu / elu idioms read positions,
+    so with keywords in another order they must not match (they did, and returned other values)."""
+    branch = {"leaky": lambda h: 0.1 * h, "elu": lambda h: 2.0 * (h.exp() - 1.0)}[spelling]
+    model = GemmThen(on_gemm(lambda h: torch.where(h > 0, other=h, input=branch(h))))
+    x = torch.randn(BATCH, IN)
+    optimized = fxfuse.optimize(model, (x,))
+    assert not any(op in program for program in fused_programs(optimized) for op in ("leaky_relu", "elu("))
+    with torch.no_grad():
+        fxfuse.testing.assert_close_report(optimized(x), model(x))
+
+
+def test_an_idiom_rooted_at_an_in_place_op_keeps_its_mutation_in_sight():
+    """b *= torch.sigmoid(b) (Dynamo's operator.imul) is silu in place of b: a region that read b before it must
+    not read it after (it did, through the idiom, which dropped the in-place record)."""
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(IN, 8)
+
+        def forward(self, x, b):
+            t = self.fc(x) + b
+            b *= torch.sigmoid(b)
+            return t * 2
+
+    model, x, b = Model().eval(), torch.randn(BATCH, IN), torch.randn(8)
+    with torch.no_grad():
+        fxfuse.testing.assert_close_report(torch.compile(model, backend="fxfuse")(x, b.clone()), model(x, b.clone()))
