@@ -552,8 +552,8 @@ def _mutation_problem(region: Region, canon, facts: Facts) -> str | None:
         node = node.next
         if node in members:
             continue
-        for mutated in _mutated_by(node, canon, facts.gm):
-            for base in _bases(mutated, canon):
+        for mutated in _mutated_by(node, canon, facts.gm):  # an earlier region's value: its fused op's now
+            for base in _bases(facts.resolve(mutated), canon):
                 if base in read_nodes or (isinstance(base, fx.Node) and base.op == "get_attr"
                                           and base.target in read_paths):
                     return (f"{describe(node)} changes {describe(base)} between the region's ops, which read it")

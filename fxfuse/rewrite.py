@@ -160,6 +160,18 @@ def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool)
     return fused
 
 
+def _drop_unused_epilogue_ops(gm: fx.GraphModule, canon: dict) -> None:
+    """Epilogue ops whose values nothing reads (`aux = h + self.b`, never used) go: they change nothing eager
+    returns, and a region that took them in would give their params zero gradients where eager gives none."""
+    covered = {n for c in canon.values() for n in c.covers}  # stand-ins of another op (max's unused indices)
+    for node in reversed(list(gm.graph.nodes)):
+        c = canon.get(node)
+        if c is None or node.users or node in covered or c.problem or c.inplace_of is not None or c.op == LINEAR:
+            continue
+        gm.graph.erase_node(node)
+        del canon[node]
+
+
 def fuse_graph(gm: fx.GraphModule, where: str = "", training: bool = False) -> Report:
     """Fuse every legal GEMM-epilogue region of `gm`, in graph order. Returns what was done and not done.
 
@@ -168,6 +180,7 @@ def fuse_graph(gm: fx.GraphModule, where: str = "", training: bool = False) -> R
     """
     report = Report()
     canon = canonicalize(gm)
+    _drop_unused_epilogue_ops(gm, canon)
     facts = Facts(gm)
     facts.position = {node: i for i, node in enumerate(gm.graph.nodes)}
     prefix = f"{where}." if where else ""

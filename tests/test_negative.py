@@ -843,3 +843,47 @@ def test_an_inference_mode_block_is_a_mode_switch_too():
 def test_batch_norm_without_running_statistics_is_not_fused_and_says_why():
     model = nn.Sequential(nn.Linear(IN, OUT), nn.BatchNorm1d(OUT, track_running_stats=False), nn.ReLU()).eval()
     assert_not_fused(model, (rows(),), reason="batch_norm without running statistics normalizes over the batch")
+
+
+class MutatesAnEarlierRegionsValue(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(IN, OUT), nn.Linear(IN, OUT)
+
+    def forward(self, x):
+        a = self.fc1(x) * 3      # the first region
+        b = self.fc2(x) + a      # the second reads a ...
+        a.mul_(2)                # ... which changes here ...
+        return torch.tanh(b), a  # ... before the second region's last op
+
+
+def test_an_in_place_op_on_an_earlier_regions_value_between_a_later_regions_ops():
+    """The second region must not run where its tanh was, after the mul_ (it did: the in-place record still named
+    the first region's replaced node)."""
+    model, x = MutatesAnEarlierRegionsValue().eval(), rows()
+    optimized = fxfuse.optimize(model, (x,))
+    with torch.no_grad():
+        for actual, expected in zip(optimized(x), model(x)):
+            assert_close_report(actual, expected)
+
+
+class UnusedEpilogue(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(IN, OUT)
+        self.aux_bias = nn.Parameter(torch.randn(OUT))
+
+    def forward(self, x):
+        h = self.fc(x)
+        aux = h + self.aux_bias  # noqa: F841  (computed, never used)
+        return torch.relu(h)
+
+
+def test_an_unused_epilogue_op_leaves_its_params_without_a_gradient():
+    """Eager gives aux_bias no gradient (None: an optimizer with weight decay leaves it alone); a region that took
+    the unused add in gave it zeros."""
+    model = UnusedEpilogue()
+    optimized = fxfuse.optimize(model, (rows(),))
+    assert fused_programs(optimized) == ["relu(%0)"]
+    optimized(rows()).sum().backward()
+    assert model.aux_bias.grad is None and model.fc.weight.grad is not None
