@@ -115,7 +115,13 @@ _unary("log", (torch.log,), _optional("log_"), ("log",))
 _unary("rsqrt", (torch.rsqrt,), _optional("rsqrt_"), ("rsqrt",))
 _unary("abs", (torch.abs, torch.absolute, operator.abs), _optional("abs_"), ("abs", "absolute"))
 _unary("neg", (torch.neg, torch.negative, operator.neg), _optional("neg_"), ("neg", "negative"))
-_unary(IDENTITY, (), (), ("contiguous",), signature="(input, memory_format=None)")
+
+
+@spelling("(input, memory_format=None)", methods=("contiguous",))
+def _contiguous(a, inplace):
+    if a["memory_format"] not in (None, torch.contiguous_format):  # channels_last: other strides, or eager raises
+        raise NotFusible(f"contiguous with memory_format={a['memory_format']}")
+    return Canonical(IDENTITY, (a["input"],), {})
 
 
 def _inplace(a, inplace):
@@ -256,6 +262,8 @@ def _binary(op: str, fns, methods, inplace_ops, signature="(input, other, alpha=
     def handler(a, inplace):
         left, right = (a["other"], a["input"]) if swap else (a["input"], a["other"])
         alpha = a.get("alpha", 1)
+        if isinstance(alpha, bool):
+            raise NotFusible(f"{op} with a boolean alpha (eager raises for a float result)")
         if alpha != 1:
             if not isinstance(right, (int, float)):
                 raise NotFusible(f"{op} with alpha={alpha} and a tensor operand")
@@ -281,8 +289,10 @@ _binary("div", (torch.div, torch.divide, torch.true_divide, operator.truediv), (
 
 @spelling("(input, num_groups, weight=None, bias=None, eps=1e-05)", functions=(F.group_norm,))
 def _group_norm(a, inplace):
+    if isinstance(a["num_groups"], bool) or not isinstance(a["num_groups"], int):
+        raise NotFusible(f"group_norm's num_groups is {a['num_groups']!r}, not an int (eager raises)")
     return Canonical("group_norm", (a["input"], a["weight"], a["bias"]),
-                     {"num_groups": int(a["num_groups"]), "eps": float(a["eps"])})
+                     {"num_groups": a["num_groups"], "eps": float(a["eps"])})
 
 
 def _last_dim_of(node: fx.Node) -> list[fx.Node] | None:
@@ -310,6 +320,11 @@ def _normalized_size(normalized_shape) -> dict:
 def _last_dim_only(normalized_shape, input, what) -> tuple[fx.Node, ...]:
     """Check that `normalized_shape` is the features alone. Return the nodes that compute it from `input`
     (`input.shape[-1:]`), which the norm then stands for, so that they don't keep `input` alive."""
+    int_valued = isinstance(normalized_shape, fx.Node) and (  # t.size(-1), t.shape[-1]
+        normalized_shape.op == "call_method" and normalized_shape.target == "size"
+        or normalized_shape.target is operator.getitem and normalized_shape.args[1] == -1)
+    if isinstance(normalized_shape, int) or int_valued:
+        raise NotFusible(f"{what}'s normalized_shape is an int, not a sequence (eager raises)")
     items = [normalized_shape] if isinstance(normalized_shape, (int, fx.Node)) else list(normalized_shape)
     computed = [item for item in items if isinstance(item, fx.Node)]
     expressions = [_last_dim_of(item) for item in computed]
@@ -372,6 +387,8 @@ def _torch_batch_norm(a, inplace):
 def _instance_norm(a, inplace):
     if not a["use_input_stats"]:
         raise NotFusible("instance_norm with running statistics")
+    if a["running_mean"] is not None or a["running_var"] is not None:
+        raise NotFusible("instance_norm updates its running statistics in place")
     if a["weight"] is not None or a["bias"] is not None:
         raise NotFusible("affine instance_norm scales per channel, not per feature")
     # Instance norm of each row over its features is layer norm without affine. The rank is checked by
@@ -582,7 +599,9 @@ def _hooks_of(module: nn.Module) -> str:
     from torch.nn.modules import module as module_globals
 
     kinds = [("forward pre-hooks", module._forward_pre_hooks, module_globals._global_forward_pre_hooks),
-             ("forward hooks", module._forward_hooks, module_globals._global_forward_hooks)]
+             ("forward hooks", module._forward_hooks, module_globals._global_forward_hooks),
+             ("backward pre-hooks", module._backward_pre_hooks, module_globals._global_backward_pre_hooks),
+             ("backward hooks", module._backward_hooks, module_globals._global_backward_hooks)]
     return " and ".join(name for name, own, every in kinds if own or every)
 
 
@@ -601,13 +620,13 @@ def _module_call(module: nn.Module, path: str):
     kind = _known_module_type(module)
     if kind is nn.Linear:
         return F.linear, (T("weight"), T("bias")), {}
-    if kind in (nn.ReLU, nn.SiLU, nn.Mish, nn.Hardswish, nn.Hardsigmoid, nn.SELU, nn.ReLU6):
+    if kind in (nn.ReLU, nn.SiLU, nn.Mish, nn.Hardswish, nn.Hardsigmoid, nn.SELU):
         fn = {nn.ReLU: F.relu, nn.SiLU: F.silu, nn.Mish: F.mish, nn.Hardswish: F.hardswish,
-              nn.Hardsigmoid: F.hardsigmoid, nn.SELU: F.selu, nn.ReLU6: F.relu6}[kind]
+              nn.Hardsigmoid: F.hardsigmoid, nn.SELU: F.selu}[kind]
         return fn, (), {"inplace": module.inplace}
     if kind in (nn.Sigmoid, nn.Tanh, nn.Identity):
         return {nn.Sigmoid: torch.sigmoid, nn.Tanh: torch.tanh, nn.Identity: "identity"}[kind], (), {}
-    if kind is nn.Hardtanh:
+    if kind in (nn.Hardtanh, nn.ReLU6):  # ReLU6 runs Hardtanh's forward, with its own min_val and max_val
         return F.hardtanh, (module.min_val, module.max_val, module.inplace), {}
     if kind is nn.LeakyReLU:
         return F.leaky_relu, (module.negative_slope, module.inplace), {}

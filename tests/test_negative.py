@@ -887,3 +887,51 @@ def test_an_unused_epilogue_op_leaves_its_params_without_a_gradient():
     assert fused_programs(optimized) == ["relu(%0)"]
     optimized(rows()).sum().backward()
     assert model.aux_bias.grad is None and model.fc.weight.grad is not None
+
+
+# ---------------------------------------------------------------- spellings whose settings or effects matter (review)
+
+def test_relu6_module_computes_with_its_own_bounds():
+    """nn.ReLU6 runs Hardtanh's forward with its min_val and max_val (it was fused as a fixed relu6)."""
+    act = nn.ReLU6()
+    act.max_val = 8.0
+    model = GemmThen(lambda m, x, y: m.act(m.fc(x) * 10), act=act).eval()
+    optimized = assert_whole_chain_fused(model, (rows(),))
+    assert fused_programs(optimized) == ["mul(%0,10);hardtanh(%1,0.0,8.0)"]
+
+
+@pytest.mark.parametrize("name, epilogue", [
+    ("layer_norm of an int", lambda m, x, y: F.layer_norm(m.fc(x), OUT)),
+    ("layer_norm of size(-1)", lambda m, x, y: (lambda h: F.layer_norm(h, h.size(-1)))(m.fc(x))),
+    ("group_norm of a float count", lambda m, x, y: F.group_norm(m.fc(x), 2.0)),
+    ("add with a boolean alpha", lambda m, x, y: torch.add(m.fc(x), 2, alpha=True)),
+    ("contiguous as channels_last", lambda m, x, y: torch.relu(m.fc(x).contiguous(memory_format=torch.channels_last))),
+])
+def test_a_spelling_eager_raises_for_raises_after_optimizing(name, epilogue):
+    model, x = GemmThen(epilogue).eval(), rows()
+    with pytest.raises(Exception) as eager:
+        model(x)
+    optimized = fxfuse.optimize(model)
+    assert fused_op_count(optimized) == 0
+    with pytest.raises(type(eager.value)):
+        optimized(x)
+
+
+def test_instance_norm_with_running_statistics_is_not_fused():
+    """F.instance_norm updates running_mean / running_var in place; the fused layer_norm would not."""
+    model = GemmThen(lambda m, x, y: F.instance_norm(m.fc(x), m.mean, m.var), mean=torch.zeros(4),
+                     var=torch.ones(4)).eval()
+    assert_not_fused(model, (torch.randn(2, 4, IN),), reason="updates its running statistics in place")
+
+
+@pytest.mark.parametrize("kind", ["full backward hook", "backward pre-hook"])
+def test_a_module_with_backward_hooks_is_not_folded(kind):
+    calls = []
+    act = nn.ReLU()
+    register = act.register_full_backward_hook if kind == "full backward hook" else act.register_full_backward_pre_hook
+    register(lambda *args: calls.append(1))
+    model, x = GemmThen(lambda m, x, y: m.act(m.fc(x)), act=act).train(), rows()
+    optimized = fxfuse.optimize(model, (x,))
+    assert fused_op_count(optimized) == 0
+    optimized(x).sum().backward()
+    assert calls == [1]
