@@ -293,6 +293,10 @@ class _Growth:
         values = [o for o in operands if isinstance(o, Value)]
         if not values:
             return f"{describe(node)} reads no value of the region"
+        if mutated is not None:
+            problem = self.in_place_problem(node, mutated, operands)
+            if problem:
+                return problem
         if c.op == IDENTITY:
             self.add_member(node, c)
             self.value[node] = values[0].index
@@ -317,6 +321,36 @@ class _Growth:
         # A pointwise op is one number per row only if all its region operands are: `h * h.sum(-1, keepdim=True)`
         # broadcasts the reduced value back onto full rows.
         self.emit(node, c.op, operands, attrs, rank, reduced=reduces or all(v.index in self.reduced for v in values))
+        return None
+
+    def in_place_problem(self, node: fx.Node, mutated: fx.Node, operands) -> str | None:
+        """An in-place op keeps the mutated value's shape and dtype, where the fused op's result would broadcast
+        and promote like an out-of-place op's: its other operands must provably fit the mutated value. The example
+        inputs prove it by running the op (`node` then has a shape); else an outside tensor must be known, in the
+        GEMM's dtype (outside_operand_problem), and broadcast into one row's features; a region value must not
+        outgrow the mutated one (`h.sum(-1, keepdim=True).mul_(h)`)."""
+        if self.facts.tensor(node) is not None:
+            return None
+        target = self.value.get(mutated)
+        if target is None:
+            return f"in-place {describe(node)} mutates {describe(mutated)}, which the region does not compute"
+        for operand in operands:
+            if isinstance(operand, Param):
+                tensor = self.facts.tensor(self.params[operand.index])
+                if tensor is None:
+                    return (f"in-place {describe(node)}: without example inputs, "
+                            f"{describe(self.params[operand.index])} might change the mutated value's shape or dtype")
+                shape = tuple(tensor.shape)
+                if any(d != 1 for d in shape[:-1]) or (shape and shape[-1] not in (1, self.features)) or \
+                        (shape and shape[-1] != 1 and target in self.reduced):
+                    return (f"in-place {describe(node)} would broadcast {describe(self.params[operand.index])} of "
+                            f"shape {shape} beyond the mutated value (eager raises)")
+            elif isinstance(operand, Value) and operand.index != target:
+                if operand.index not in self.reduced and target in self.reduced:
+                    return f"in-place {describe(node)} would broadcast a full row into a reduced value (eager raises)"
+                rank, target_rank = self.rank.get(operand.index), self.rank.get(target)
+                if rank is not None and target_rank is not None and rank > target_rank:
+                    return f"in-place {describe(node)} would broadcast a {rank}-D value into a {target_rank}-D one"
         return None
 
     def result_rank(self, operands) -> int | None:

@@ -935,3 +935,42 @@ def test_a_module_with_backward_hooks_is_not_folded(kind):
     assert fused_op_count(optimized) == 0
     optimized(x).sum().backward()
     assert calls == [1]
+
+
+class InPlaceWith(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.fc = nn.Linear(IN, OUT)
+        self.register_buffer("b", torch.randn(3, 1, OUT))
+        self.how = how
+
+    def forward(self, x, scale=None):
+        h = self.fc(x)
+        if self.how == "broadcast":
+            return h.mul_(self.b)
+        if self.how == "reduced":
+            return h.sum(-1, keepdim=True).mul_(h)
+        return h.mul_(scale)
+
+
+@pytest.mark.parametrize("with_example_inputs", [True, False], ids=["example-inputs", "none"])
+@pytest.mark.parametrize("how", ["broadcast", "reduced"])
+def test_an_in_place_op_that_would_grow_its_value_raises_as_eager(how, with_example_inputs):
+    model, x = InPlaceWith(how).eval(), rows()
+    with pytest.raises(RuntimeError):
+        model(x)
+    optimized = fxfuse.optimize(model, (x,) if with_example_inputs else None)
+    with pytest.raises(RuntimeError):
+        optimized(x)
+
+
+def test_an_in_place_op_keeps_the_mutated_values_dtype():
+    """h.mul_(scale) with a float64 scale stays float32, where an out-of-place mul would promote; without example
+    inputs the scale's dtype is unknown, so it is not fused."""
+    model, x = InPlaceWith("scale").eval(), rows()
+    scale = torch.full((OUT,), 0.1, dtype=torch.float64)
+    with torch.no_grad():
+        for example_inputs in ((x, scale), None):
+            result = fxfuse.optimize(model, example_inputs)(x, scale)
+            assert result.dtype == torch.float32
+            assert_close_report(result, model(x, scale))
