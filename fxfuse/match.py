@@ -580,17 +580,25 @@ def _mutation_problem(region: Region, canon, facts: Facts) -> str | None:
     members = set(region.members)
     read_nodes = {o for o in (region.x, region.weight, region.bias, *region.params) if isinstance(o, fx.Node)}
     read_paths = {o.path for o in (region.weight, region.bias, *region.params) if isinstance(o, Attr)}
+    # The fused op keeps its epilogue operands and bias for its backward, where eager's ops may keep none of them
+    # (an add keeps nothing): one changed in place after the region would make its backward raise.
+    kept_nodes = {o for o in (region.bias, *region.params) if isinstance(o, fx.Node)}
+    kept_paths = {o.path for o in (region.bias, *region.params) if isinstance(o, Attr)}
     last = max(region.members, key=facts.position.get)
     node = min(members, key=facts.position.get)
-    while node is not last:
+    while node.op != "output":
         node = node.next
         if node in members:
             continue
+        between = facts.position.get(node, -1) < facts.position[last]
+        nodes, paths = (read_nodes, read_paths) if between else (kept_nodes, kept_paths)
         for mutated in _mutated_by(node, canon, facts.gm):  # an earlier region's value: its fused op's now
             for base in _bases(facts.resolve(mutated), canon):
-                if base in read_nodes or (isinstance(base, fx.Node) and base.op == "get_attr"
-                                          and base.target in read_paths):
-                    return (f"{describe(node)} changes {describe(base)} between the region's ops, which read it")
+                if base in nodes or (isinstance(base, fx.Node) and base.op == "get_attr" and base.target in paths):
+                    if between:
+                        return f"{describe(node)} changes {describe(base)} between the region's ops, which read it"
+                    return (f"{describe(node)} changes {describe(base)} after the region, whose fused op keeps it "
+                            "for its backward")
     return None
 
 

@@ -974,3 +974,25 @@ def test_an_in_place_op_keeps_the_mutated_values_dtype():
             result = fxfuse.optimize(model, example_inputs)(x, scale)
             assert result.dtype == torch.float32
             assert_close_report(result, model(x, scale))
+
+
+class MutatesAnOperandAfterTheRegion(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(IN, OUT)
+
+    def forward(self, x):
+        r = torch.randn(OUT) * 2
+        out = torch.relu(self.fc(x)) + r  # eager's add keeps nothing of r for its backward
+        r.mul_(0.5)
+        return out
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_an_operand_changed_in_place_after_the_region_does_not_break_the_backward(mode):
+    """The fused op keeps its epilogue operands for its backward: one changed in place later made its backward
+    raise ("modified by an inplace operation") where eager's does not."""
+    model, x = getattr(MutatesAnOperandAfterTheRegion(), mode)(), rows().requires_grad_()
+    optimized = fxfuse.optimize(model, (x,))
+    optimized(x).sum().backward()
+    assert_reason(optimized, "after the region, whose fused op keeps it for its backward")
