@@ -980,9 +980,10 @@ class MutatesAnOperandAfterTheRegion(nn.Module):
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(IN, OUT)
+        self.shift = nn.Parameter(torch.randn(OUT))
 
     def forward(self, x):
-        r = torch.randn(OUT) * 2
+        r = self.shift * 2
         out = torch.relu(self.fc(x)) + r  # eager's add keeps nothing of r for its backward
         r.mul_(0.5)
         return out
