@@ -129,32 +129,83 @@ def _mode_dependent_call(graph: fx.Graph, training: bool) -> fx.Node | None:
     for node in graph.nodes:
         if node.op != "call_function":
             continue
-        try:
-            bound = inspect.signature(node.target).bind(*node.args, **node.kwargs)
-        except (TypeError, ValueError):
-            continue
-        value = bound.arguments.get("training")
-        if isinstance(value, bool) and value == training:
-            return node
+        for signature in _signatures(node.target):
+            try:
+                bound = signature.bind(*node.args, **node.kwargs)
+            except TypeError:
+                continue
+            value = bound.arguments.get("training", bound.arguments.get("train"))  # torch.dropout(x, p, train)
+            if isinstance(value, bool) and value == training:
+                return node
     return None
 
 
-def _trace(model: nn.Module, given_inputs: int | None) -> fx.GraphModule:
+def _signatures(function) -> list[inspect.Signature]:
+    """A Python function's signature, or a torch builtin's, one per overload."""
+    try:
+        return [inspect.signature(function)]
+    except (TypeError, ValueError):
+        return fx.operator_schemas.get_signature_for_torch_op(function) or []
+
+
+class _Tracer(fx.Tracer):
+    """fx's tracer, with a model fxfuse already optimized as one call: its graph checks at each call that the
+    modules it folded keep their modes and settings, which tracing through it would run once, at trace time."""
+
+    def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
+        return isinstance(module, FusedGraphModule) or super().is_leaf_module(module, qualified_name)
+
+
+def _trace(model: nn.Module, given_inputs: int | None, given_nones: Sequence[str] = ()) -> fx.GraphModule:
     if isinstance(model, fx.GraphModule):
         gm = FusedGraphModule(model, copy.deepcopy(model.graph), class_name=type(model).__name__)
+        gm.traced_training = getattr(model, "traced_training", None)
     else:
-        tracer = fx.Tracer()
-        with _watching_mode_switches() as switched:
-            graph = tracer.trace(model, concrete_args=_none_defaults(model, given_inputs) or None)
+        tracer = _Tracer()
+        concrete = {**_none_defaults(model, given_inputs), **{name: None for name in given_nones}}
+        with _forbidding_side_effects(model), _watching_mode_switches() as switched:
+            graph = tracer.trace(model, concrete_args=concrete or None)
         if switched:
             raise RuntimeError(f"its forward switches {' and '.join(sorted(set(switched)))}, which an fx trace "
                                "would drop (torch.compile(model, backend='fxfuse') keeps it)")
         gm = FusedGraphModule(tracer.root, graph, class_name=type(model).__name__)
-        dependent = _mode_dependent_call(graph, model.training)
+    if gm.traced_training is None:
+        dependent = _mode_dependent_call(gm.graph, model.training)
         if dependent is not None:
             gm.traced_training = (model.training, dependent.name)
     _adopt_state(gm, model)
     return gm
+
+
+@contextlib.contextmanager
+def _forbidding_side_effects(model: nn.Module):
+    """An fx trace runs what a forward does to the model itself once, at trace time, and records none of it: a
+    buffer changed in place, an attribute set. Such a forward is refused (its children are tried), and the model is
+    left as it was."""
+    buffers = {name: (b, b._version, b.detach().clone()) for name, b in model.named_buffers()}
+    attributes = {name: dict(vars(m)) for name, m in model.named_modules()}
+    try:
+        yield
+    finally:
+        changed = []
+        with torch.no_grad():
+            for name, (buffer, version, saved) in buffers.items():
+                if buffer._version != version:
+                    buffer.copy_(saved)
+                    changed.append(f"changes buffer `{name}` in place")
+        for name, module in model.named_modules():
+            before = attributes.get(name, {})
+            for key in [k for k in vars(module) if k not in before or vars(module)[k] is not before[k]]:
+                if key.startswith("_tensor_constant"):  # the tracer's own: tensors made while tracing
+                    continue
+                changed.append(f"sets `{f'{name}.' if name else ''}{key}`")
+                if key in before:
+                    vars(module)[key] = before[key]
+                else:
+                    del vars(module)[key]
+    if changed:
+        raise RuntimeError(f"its forward {' and '.join(changed[:3])}, which an fx trace would run once, at trace "
+                           "time (torch.compile(model, backend='fxfuse') keeps it)")
 
 
 _MISSING = object()
@@ -170,7 +221,8 @@ def _attribute(root: nn.Module, path: str):
 
 
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
-               "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks")
+               "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks", "_state_dict_hooks",
+               "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
 
 
 def _adopt_state(gm: fx.GraphModule, model: nn.Module) -> None:
@@ -244,6 +296,7 @@ def _children_inputs(model: nn.Module, example_inputs) -> dict[str, tuple]:
     hooks = [child.register_forward_pre_hook(lambda mod, args, name=name: seen.setdefault(name, args))
              for name, child in model.named_children()]
     buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}  # the run must not change the model
+    attributes = {module: dict(vars(module)) for module in model.modules()}  # (`self.last = h` included)
     # nor the random streams of the devices it touches (a dropout would move the caller's stream on)
     tensors = [*model.parameters(), *model.buffers(), *(t for t in example_inputs if isinstance(t, torch.Tensor))]
     cuda_devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
@@ -259,6 +312,9 @@ def _children_inputs(model: nn.Module, example_inputs) -> dict[str, tuple]:
             for name, buffer in model.named_buffers():
                 if name in buffers:
                     buffer.copy_(buffers[name])
+        for module, before in attributes.items():
+            vars(module).clear()
+            vars(module).update(before)
     return seen
 
 

@@ -2,6 +2,7 @@
 
 Every test also checks that the optimized model still computes what eager computes.
 """
+import copy
 import warnings
 
 import pytest
@@ -997,3 +998,80 @@ def test_an_operand_changed_in_place_after_the_region_does_not_break_the_backwar
     optimized = fxfuse.optimize(model, (x,))
     optimized(x).sum().backward()
     assert_reason(optimized, "after the region, whose fused op keeps it for its backward")
+
+
+# ---------------------------------------------------------------- what a trace would freeze (review)
+
+class ChangesItselfInForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(IN, OUT)
+        self.register_buffer("scale", torch.ones(OUT))
+
+    def forward(self, x):
+        self.scale.mul_(0.5)
+        self.last_input = x
+        return torch.relu(self.fc(x)) * self.scale
+
+
+def test_a_forward_that_changes_its_model_is_not_traced_and_the_model_stays_as_it_was():
+    """An fx trace would run the buffer's mul_ and the attribute's assignment once, at trace time, and record
+    neither: the model is left to its children, and optimize() leaves its buffer and attributes as they were."""
+    model, x = ChangesItselfInForward().eval(), rows()
+    expected = copy.deepcopy(model)
+    optimized = fxfuse.optimize(model, (x,))
+    assert torch.equal(model.scale, torch.ones(OUT)) and not hasattr(model, "last_input")
+    assert any("changes buffer `scale` in place" in row.reason for row in optimized.fxfuse_report.skipped)
+    with torch.no_grad():
+        for _ in range(2):
+            assert_close_report(optimized(x), expected(x))
+
+
+class DropoutByTorchBuiltin(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.out = nn.Linear(IN, OUT), nn.Linear(OUT, OUT)
+
+    def forward(self, x):
+        return torch.tanh(self.out(torch.dropout(torch.relu(self.fc(x)), 0.5, self.training)))
+
+
+def test_a_graph_that_fixed_torch_dropouts_train_argument_raises_in_the_other_mode():
+    model = DropoutByTorchBuiltin().train()
+    optimized = fxfuse.optimize(model, (rows(),))
+    optimized.eval()
+    with pytest.raises(RuntimeError, match="optimized in train mode"):
+        optimized(rows())
+
+
+def test_optimizing_an_optimized_model_keeps_its_mode_guard():
+    model = DropoutByTorchBuiltin().train()
+    twice = fxfuse.optimize(fxfuse.optimize(model, (rows(),)), (rows(),))
+    assert twice.traced_training is not None
+    twice.eval()
+    with pytest.raises(RuntimeError, match="optimized in train mode"):
+        twice(rows())
+
+
+def test_an_optimized_child_keeps_its_guards_inside_an_optimized_parent():
+    """The parent's trace ran the child's mode and settings checks once, at trace time, and kept none of them."""
+    block = nn.Sequential(nn.Linear(IN, OUT), nn.Dropout(0.5), nn.ReLU()).eval()
+    net = nn.Sequential(fxfuse.optimize(block, (rows(),)), nn.Linear(OUT, OUT), nn.Tanh()).eval()
+    optimized = fxfuse.optimize(net, (rows(),))
+    optimized.train()
+    with pytest.raises(RuntimeError, match="was in eval mode when it was fused"):
+        optimized(rows())
+
+
+def test_the_roots_state_dict_hooks_run_around_the_optimized_model():
+    model = nn.Sequential(nn.Linear(IN, OUT), nn.ReLU()).eval()
+    legacy = {"fc.weight": model[0].weight.detach().clone(), "fc.bias": model[0].bias.detach().clone()}
+
+    def rename_legacy_keys(state_dict, prefix, *args):
+        for old, new in (("fc.weight", "0.weight"), ("fc.bias", "0.bias")):
+            if prefix + old in state_dict:
+                state_dict[prefix + new] = state_dict.pop(prefix + old)
+
+    model._register_load_state_dict_pre_hook(rename_legacy_keys)
+    optimized = fxfuse.optimize(model, (rows(),))
+    optimized.load_state_dict(legacy)
