@@ -165,6 +165,7 @@ def _trace(model: nn.Module, given_inputs: int | None, given_nones: Sequence[str
         concrete = {**_none_defaults(model, given_inputs), **{name: None for name in given_nones}}
         with _forbidding_side_effects(model), _watching_mode_switches() as switched:
             graph = tracer.trace(model, concrete_args=concrete or None)
+        _keep_argument_names(graph, concrete)
         if switched:
             raise RuntimeError(f"its forward switches {' and '.join(sorted(set(switched)))}, which an fx trace "
                                "would drop (torch.compile(model, backend='fxfuse') keeps it)")
@@ -175,6 +176,17 @@ def _trace(model: nn.Module, given_inputs: int | None, given_nones: Sequence[str
             gm.traced_training = (model.training, dependent.name)
     _adopt_state(gm, model)
     return gm
+
+
+def _keep_argument_names(graph: fx.Graph, concrete: dict) -> None:
+    """fx names the input of an argument traced as None `mask_1`: the optimized forward takes `mask=None` again."""
+    placeholders = [node for node in graph.nodes if node.op == "placeholder"]
+    targets = {node.target for node in placeholders}
+    for node in placeholders:
+        base = node.target.rsplit("_", 1)[0]
+        if base in concrete and base not in targets and node.target == f"{base}_1":
+            node.target = base
+            targets.add(base)
 
 
 @contextlib.contextmanager
@@ -318,6 +330,28 @@ def _children_inputs(model: nn.Module, example_inputs) -> dict[str, tuple]:
     return seen
 
 
+def _shallow_copy(model: nn.Module) -> nn.Module:
+    """`model` itself again, for a model left unfused: the same children, parameters, buffers and hooks, in dicts
+    of its own (as an optimized model's), so that registering on it leaves the model alone."""
+    result = copy.copy(model)
+    for name in ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set", *_HOOK_DICTS):
+        if name in vars(model):
+            setattr(result, name, copy.copy(getattr(model, name)))
+    return result
+
+
+def _nones_given(model: nn.Module, example_inputs) -> list[str]:
+    """The forward's parameters whose example input is None: traced as None, as its defaults to None are."""
+    if not example_inputs or all(value is not None for value in example_inputs):
+        return []
+    try:
+        parameters = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p, value in zip(parameters, example_inputs)
+            if value is None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.POSITIONAL_ONLY)]
+
+
 def _single_torch_module(module: nn.Module) -> bool:
     """A torch.nn module that tracing treats as one op (nn.Linear, nn.Dropout...), containers aside."""
     containers = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
@@ -332,14 +366,13 @@ def _trains(model: nn.Module, example_inputs) -> bool:
 
 def _optimize(model: nn.Module, example_inputs, path: str, report: Report) -> nn.Module:
     try:
-        gm = _trace(model, None if example_inputs is None else len(example_inputs))
+        gm = _trace(model, None if example_inputs is None else len(example_inputs), _nones_given(model, example_inputs))
     except Exception as error:
         reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         logger.info("fxfuse: %s can't be traced (%s); trying its children", path or "the model", reason)
         report.skipped.append(MissRow(path or "<model>", type(model).__name__, reason))
         inputs = _children_inputs(model, example_inputs) if example_inputs is not None else {}
-        result = copy.copy(model)
-        result._modules = dict(model._modules)
+        result = _shallow_copy(model)
         for name, child in model.named_children():
             if _single_torch_module(child):
                 continue  # no chain to fuse inside it, and tracing it alone would freeze its train/eval behaviour
@@ -358,11 +391,11 @@ def _optimize(model: nn.Module, example_inputs, path: str, report: Report) -> nn
                        type(error).__name__, error, exc_info=logger.isEnabledFor(logging.DEBUG))
         report.skipped.append(MissRow(path or "<model>", type(model).__name__,
                                       f"fxfuse error, left unfused: {type(error).__name__}: {error}"))
-        return copy.copy(model)
+        return _shallow_copy(model)
     if len(report.fused) == fused_before:
         # Nothing to fuse: the model's own forward, not its trace, which would fix what Python decided while
         # tracing (a torch.no_grad() block, `training=self.training`).
-        return copy.copy(model)
+        return _shallow_copy(model)
     return gm
 
 

@@ -594,15 +594,16 @@ _KNOWN_MODULES = (nn.Linear, nn.ReLU, nn.SiLU, nn.Mish, nn.Hardswish, nn.Hardsig
                   *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))
 
 
-def _hooks_of(module: nn.Module) -> str:
-    """The forward hooks that calling `module` runs (its own, or every module's), named; '' if none."""
+def hooks_of(module: nn.Module, own_only: bool = False) -> str:
+    """The hooks that calling `module` runs (its own, or every module's: not with `own_only`), named; '' if
+    none."""
     from torch.nn.modules import module as module_globals
 
     kinds = [("forward pre-hooks", module._forward_pre_hooks, module_globals._global_forward_pre_hooks),
              ("forward hooks", module._forward_hooks, module_globals._global_forward_hooks),
              ("backward pre-hooks", module._backward_pre_hooks, module_globals._global_backward_pre_hooks),
              ("backward hooks", module._backward_hooks, module_globals._global_backward_hooks)]
-    return " and ".join(name for name, own, every in kinds if own or every)
+    return " and ".join(name for name, own, every in kinds if own or (every and not own_only))
 
 
 def _known_module_type(module: nn.Module):
@@ -684,7 +685,7 @@ def canonical_of(node: fx.Node, gm: fx.GraphModule) -> Canonical | None:
     """The canonical op this node spells, or None if it is no op of the vocabulary."""
     c = _spelled_op(node, gm)
     if c is not None and c.problem is None and node.op == "call_module":
-        hooks = _hooks_of(gm.get_submodule(node.target))
+        hooks = hooks_of(gm.get_submodule(node.target))
         if hooks:  # a fused op would skip them
             return dataclasses.replace(c, problem=f"`{node.target}` has {hooks}, which a fused op would not run")
     return c

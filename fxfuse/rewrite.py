@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .canonicalize import LINEAR, Attr, canonicalize
+from .canonicalize import LINEAR, Attr, canonicalize, hooks_of
 from .library import gemm_epilogue, gemm_epilogue_train
 from .match import Facts, Region, find_region
 from .report import FusedRow, MissRow, Report
@@ -76,7 +76,13 @@ def _same_setting(a, b) -> bool:
 
 
 def require_settings(module: nn.Module, path: str, settings: dict) -> None:
-    """Called by rewritten graphs for each module folded into a fused op: its settings are still the program's."""
+    """Called by rewritten graphs for each module folded into a fused op: its settings are still the program's,
+    and it has no hooks of its own (the fused op would skip them; every module's, such as a profiler's, are
+    the caller's to know)."""
+    hooks = hooks_of(module, own_only=True)
+    if hooks:
+        raise RuntimeError(f"fxfuse: `{path}` has {hooks} now, which its fused op would skip; run fxfuse.optimize() "
+                           "on the model again")
     for name, value in settings.items():
         now = getattr(module, name, None)
         if not _same_setting(now, value):
@@ -125,9 +131,8 @@ def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool)
             module = gm.get_submodule(member.target)
             if _behaves_differently_in_training(module):
                 graph.call_function(require_eval_mode, (graph.get_attr(member.target), member.target))
-            if member is not region.anchor:  # the GEMM's settings are its weight's shape
-                graph.call_function(require_settings, (graph.get_attr(member.target), member.target,
-                                                       settings_of(module)))
+            settings = {} if member is region.anchor else settings_of(module)  # the GEMM's: its weight's shape
+            graph.call_function(require_settings, (graph.get_attr(member.target), member.target, settings))
         if region.check_matrix:
             graph.call_function(require_matrix, (region.x,))
         weight = _tensor_node(graph, region.weight)

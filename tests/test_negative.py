@@ -1075,3 +1075,42 @@ def test_the_roots_state_dict_hooks_run_around_the_optimized_model():
     model._register_load_state_dict_pre_hook(rename_legacy_keys)
     optimized = fxfuse.optimize(model, (rows(),))
     optimized.load_state_dict(legacy)
+
+
+class OptionalMask(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(IN, OUT)
+
+    def forward(self, x, mask=None):
+        h = F.gelu(self.fc(x))
+        return h * mask if mask is not None else h
+
+
+@pytest.mark.parametrize("example_inputs", ["x", "x and None"])
+def test_an_argument_traced_as_none_keeps_its_name_and_a_none_example_input_is_none(example_inputs):
+    """With example inputs (x,), optimize(model)(x, mask=None) raised (fx named the input mask_1); with (x, None)
+    the mask was traced as a tensor and optimize(model)(x) raised."""
+    model, x = OptionalMask().eval(), rows()
+    optimized = fxfuse.optimize(model, (x,) if example_inputs == "x" else (x, None))
+    assert fused_op_count(optimized) == 1
+    with torch.no_grad():
+        for call in (lambda m: m(x), lambda m: m(x, None), lambda m: m(x, mask=None)):
+            assert_close_report(call(optimized), call(model))
+
+
+def test_a_hook_added_to_a_folded_module_after_optimizing_raises():
+    model = nn.Sequential(nn.Linear(IN, OUT), nn.ReLU()).eval()
+    optimized = fxfuse.optimize(model, (rows(),))
+    model[1].register_forward_hook(lambda module, args, out: out * 0)
+    with pytest.raises(RuntimeError, match="has forward hooks now, which its fused op would skip"):
+        optimized(rows())
+
+
+def test_a_model_left_unfused_is_a_copy_whose_registrations_leave_the_model_alone():
+    model = nn.Sequential(nn.Linear(IN, OUT)).eval()
+    optimized = fxfuse.optimize(model, (rows(),))
+    assert fused_op_count(optimized) == 0
+    optimized.register_forward_hook(lambda *args: None)
+    optimized.register_buffer("extra", torch.zeros(1))
+    assert not model._forward_hooks and "extra" not in model._buffers
