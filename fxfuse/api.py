@@ -33,16 +33,20 @@ class FusedGraphModule(fx.GraphModule):
     every tensor it reads as a persistent buffer (fx's tensor constants included); these overrides give the
     rebuilt module the model's state again, so that its state_dict keys stay those of the model."""
 
-    # (the mode the graph was traced in, the call that fixed it), where the forward passed self.training on
-    traced_training: tuple[bool, str] | None = None
+    # (each module's mode when the graph was traced, the call that fixed one), where the forward passed a
+    # module's self.training on (F.dropout(h, p, training=self.training)): any mode change makes the graph wrong
+    traced_training: tuple[dict[str, bool], str] | None = None
 
     def __call__(self, *args, **kwargs):
-        if self.traced_training is not None and self.training != self.traced_training[0]:
-            mode = "train" if self.traced_training[0] else "eval"
-            raise RuntimeError(f"fxfuse: this model was optimized in {mode} mode, and its graph fixed "
-                               f"`{self.traced_training[1]}`'s training argument then; run fxfuse.optimize() on "
-                               "the model in the mode you use (or torch.compile(model, backend='fxfuse'), which "
-                               "recompiles on a mode change)")
+        if self.traced_training is not None:
+            modes, call = self.traced_training
+            for path, module in self.named_modules():
+                if modes.get(path, module.training) != module.training:
+                    what = f"`{path}`" if path else "this model"
+                    raise RuntimeError(f"fxfuse: {what} was in {'train' if modes[path] else 'eval'} mode when the "
+                                       f"model was optimized, and its graph fixed `{call}`'s training argument "
+                                       "then; run fxfuse.optimize() on the model in the modes you use (or "
+                                       "torch.compile(model, backend='fxfuse'), which recompiles on a mode change)")
         return super().__call__(*args, **kwargs)
 
     def __deepcopy__(self, memo):
@@ -125,7 +129,7 @@ def _none_defaults(model: nn.Module, given: int | None) -> dict[str, None]:
 
 # Functions whose `training` argument the trace fixes at the value `self.training` had (F.dropout(x, p,
 # training=self.training)): a graph that calls one is only right in the mode it was traced in.
-def _mode_dependent_call(graph: fx.Graph, training: bool) -> fx.Node | None:
+def _mode_dependent_call(graph: fx.Graph, modes: set[bool]) -> fx.Node | None:
     for node in graph.nodes:
         if node.op != "call_function":
             continue
@@ -135,7 +139,7 @@ def _mode_dependent_call(graph: fx.Graph, training: bool) -> fx.Node | None:
             except TypeError:
                 continue
             value = bound.arguments.get("training", bound.arguments.get("train"))  # torch.dropout(x, p, train)
-            if isinstance(value, bool) and value == training:
+            if isinstance(value, bool) and value in modes:  # some module's self.training, maybe
                 return node
     return None
 
@@ -171,9 +175,9 @@ def _trace(model: nn.Module, given_inputs: int | None, given_nones: Sequence[str
                                "would drop (torch.compile(model, backend='fxfuse') keeps it)")
         gm = FusedGraphModule(tracer.root, graph, class_name=type(model).__name__)
     if gm.traced_training is None:
-        dependent = _mode_dependent_call(gm.graph, model.training)
+        dependent = _mode_dependent_call(gm.graph, {m.training for m in model.modules()})
         if dependent is not None:
-            gm.traced_training = (model.training, dependent.name)
+            gm.traced_training = ({path: m.training for path, m in model.named_modules()}, dependent.name)
     _adopt_state(gm, model)
     return gm
 
