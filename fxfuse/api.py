@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import inspect
 import logging
 import types
@@ -308,8 +309,12 @@ def _propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None
 
 def _children_inputs(model: nn.Module, example_inputs) -> dict[str, tuple]:
     """The inputs each direct child module sees on a run of `model` on `example_inputs` (first call only)."""
-    seen: dict[str, tuple] = {}
-    hooks = [child.register_forward_pre_hook(lambda mod, args, name=name: seen.setdefault(name, args))
+    seen: dict[str, tuple | None] = {}
+
+    def record(name, module, args, kwargs) -> None:
+        seen.setdefault(name, _as_positional(module, args, kwargs))
+
+    hooks = [child.register_forward_pre_hook(functools.partial(record, name), with_kwargs=True)
              for name, child in model.named_children()]
     buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}  # the run must not change the model
     attributes = {module: dict(vars(module)) for module in model.modules()}  # (`self.last = h` included)
@@ -332,6 +337,22 @@ def _children_inputs(model: nn.Module, example_inputs) -> dict[str, tuple]:
             vars(module).clear()
             vars(module).update(before)
     return seen
+
+
+def _as_positional(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+    """A call's arguments as example inputs: positional, the keywords in their places where they fill the
+    forward's first parameters (`block(x, mask=m)` is (x, m)); else None, no example inputs."""
+    if not kwargs:
+        return args
+    try:
+        bound = inspect.signature(module.forward).bind(*args, **kwargs)
+        names = [p.name for p in inspect.signature(module.forward).parameters.values()
+                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        return None
+    if list(bound.arguments) != names[:len(bound.arguments)]:
+        return None
+    return tuple(bound.arguments.values())
 
 
 def _shallow_copy(model: nn.Module) -> nn.Module:
