@@ -111,6 +111,16 @@ void run(torch::Tensor x, torch::Tensor w, torch::Tensor bias, torch::Tensor out
 """
 
 
+def problem_tensors(dtype):
+    """(weight, bias, input sets, out, workspace) of the probed GEMM in `dtype`."""
+    weight = torch.randn(N, K, device="cuda").to(dtype) * K ** -0.5
+    bias = torch.randn(N, device="cuda").to(dtype)
+    inputs = [[torch.randn(M, K, device="cuda").to(dtype)] for _ in range(INPUT_SETS)]
+    out = torch.empty(M, N, device="cuda", dtype=dtype)
+    workspace = torch.empty(32 << 20, device="cuda", dtype=torch.uint8)
+    return weight, bias, inputs, out, workspace
+
+
 def kernel_names(fn, x) -> list[str]:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
         fn(x)
@@ -125,11 +135,7 @@ def main(count: int) -> None:
     print(torch.cuda.get_device_name(), torch.__version__)
     for name, dtype, tf32 in PRECISIONS:
         torch.backends.cuda.matmul.allow_tf32 = tf32
-        weight = torch.randn(N, K, device="cuda").to(dtype) * K ** -0.5
-        bias = torch.randn(N, device="cuda").to(dtype)
-        inputs = [[torch.randn(M, K, device="cuda").to(dtype)] for _ in range(INPUT_SETS)]
-        out = torch.empty(M, N, device="cuda", dtype=dtype)
-        workspace = torch.empty(32 << 20, device="cuda", dtype=torch.uint8)
+        weight, bias, inputs, out, workspace = problem_tensors(dtype)
         found = lt.algorithm_count(inputs[0][0], weight, bias, tf32, count)
         fns = {"F.linear": lambda x: F.linear(x, weight, bias)}
         for i in range(found):

@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch.utils.cpp_extension import load_inline
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cublaslt_probe import K, M, N, PRECISIONS, SOURCE  # noqa: E402
+from cublaslt_probe import PRECISIONS, SOURCE, problem_tensors  # noqa: E402
 
-from fxfuse.bench import INPUT_SETS, time_interleaved_ms  # noqa: E402
+from fxfuse.bench import time_interleaved_ms  # noqa: E402
 
 SEARCH = r"""
 static cublasComputeType_t compute_of(const torch::Tensor& x, bool tf32) {
@@ -144,11 +144,7 @@ def main(names: list[str]) -> None:
         if name not in names:
             continue
         torch.backends.cuda.matmul.allow_tf32 = tf32
-        weight = torch.randn(N, K, device="cuda").to(dtype) * K ** -0.5
-        bias = torch.randn(N, device="cuda").to(dtype)
-        inputs = [[torch.randn(M, K, device="cuda").to(dtype)] for _ in range(INPUT_SETS)]
-        out = torch.empty(M, N, device="cuda", dtype=dtype)
-        workspace = torch.empty(32 << 20, device="cuda", dtype=torch.uint8)
+        weight, bias, inputs, out, workspace = problem_tensors(dtype)
         x0 = inputs[0][0]
         began = time.perf_counter()
         configs = lt.search(x0, weight, bias, tf32, 60.0)
