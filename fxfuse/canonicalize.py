@@ -456,7 +456,9 @@ _VALUES_OF = {"max": "max_dim", "min": "min_dim"}
 
 @spelling("(input, dim=None, keepdim=False)", functions=(torch.max, torch.min), methods=("max", "min"))
 def _max_min(a, inplace):
-    raise NotFusible("max/min is fused through its `.values` or `[0]`")
+    if isinstance(a["dim"], fx.Node):  # torch.max(h, other): elementwise, which the vocabulary has not
+        raise NotFusible("elementwise max/min of two tensors is not an epilogue op")
+    raise NotFusible("max/min over a dim is fused through its `.values` or `[0]` (its indices are not)")
 
 
 def _values_of(node: fx.Node) -> Canonical | None:

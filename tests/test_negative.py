@@ -1130,3 +1130,8 @@ def test_a_child_called_with_a_keyword_argument_is_optimized_for_it():
     assert len(optimized.fxfuse_report.fused) == 1
     with torch.no_grad():
         assert_close_report(optimized(x), model(x))
+
+
+def test_elementwise_max_of_two_tensors_says_what_it_is():
+    model = GemmThen(lambda m, x, y: torch.max(m.fc(x), m.floor), floor=torch.randn(OUT))
+    assert_not_fused(model, (rows(),), reason="elementwise max/min of two tensors is not an epilogue op")
