@@ -22,6 +22,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .report import MissRow, Report
+from .canonicalize import signatures_of
 from .rewrite import fuse_graph
 
 logger = logging.getLogger("fxfuse")
@@ -134,7 +135,7 @@ def _mode_dependent_call(graph: fx.Graph, modes: set[bool]) -> fx.Node | None:
     for node in graph.nodes:
         if node.op != "call_function":
             continue
-        for signature in _signatures(node.target):
+        for signature in signatures_of(node.target):
             try:
                 bound = signature.bind(*node.args, **node.kwargs)
             except TypeError:
@@ -143,14 +144,6 @@ def _mode_dependent_call(graph: fx.Graph, modes: set[bool]) -> fx.Node | None:
             if isinstance(value, bool) and value in modes:  # some module's self.training, maybe
                 return node
     return None
-
-
-def _signatures(function) -> list[inspect.Signature]:
-    """A Python function's signature, or a torch builtin's, one per overload."""
-    try:
-        return [inspect.signature(function)]
-    except (TypeError, ValueError):
-        return fx.operator_schemas.get_signature_for_torch_op(function) or []
 
 
 class _Tracer(fx.Tracer):

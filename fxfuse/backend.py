@@ -88,7 +88,8 @@ def _inner_compiler(inner: str | CompilerFn, mode: str | None, inner_options: di
         raise ValueError("fxfuse: the inner compiler can't be fxfuse itself")
     if inner == "inductor":
         # torch.compile's own Inductor wrapper: it applies `mode` and checks each option against the config.
-        inner_options.setdefault("post_grad_custom_post_pass", _implementation_stamp())
+        if torch._inductor.config.post_grad_custom_post_pass is None:  # never in place of the user's own pass
+            inner_options.setdefault("post_grad_custom_post_pass", _implementation_stamp())
         return torch._TorchCompileInductorWrapper(mode, inner_options, None)
     from torch._dynamo.backends.registry import lookup_backend
 

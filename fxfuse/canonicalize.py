@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import builtins
 import dataclasses
+import functools
 import inspect
 import math
 import numbers
@@ -64,6 +65,15 @@ class NotFusible(Exception):
 _FUNCTIONS: dict[Any, tuple[inspect.Signature, Callable]] = {}
 _METHODS: dict[str, tuple[inspect.Signature, Callable]] = {}
 _INPLACE_FUNCTIONS: set = set()
+
+
+@functools.lru_cache(maxsize=None)
+def signatures_of(function) -> tuple[inspect.Signature, ...]:
+    """A Python function's signature, or a torch builtin's, one per overload (cached: a builtin's takes ms)."""
+    try:
+        return (inspect.signature(function),)
+    except (TypeError, ValueError):
+        return tuple(fx.operator_schemas.get_signature_for_torch_op(function) or ())
 
 
 def _signature(text: str) -> inspect.Signature:

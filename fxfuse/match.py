@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .canonicalize import COVERED, IDENTITY, LINEAR, Attr, Canonical
+from .canonicalize import COVERED, IDENTITY, LINEAR, Attr, Canonical, signatures_of
 from .library import FUSED_OPS
 from .epilogue import EPILOGUE_OPS, NORM, POINTWISE, REDUCTION
 from .program import Instruction, Param, Program, Value
@@ -64,7 +64,9 @@ class NearMiss:
 
 # Dynamo's graphs mark where a `with torch.autocast(...)` block starts and ends, and where grad mode changes
 # (`with torch.no_grad():`): a fused op runs under one state, that of the region's last op.
-_MODE_SWITCHES = (torch._C._set_grad_enabled,) + tuple(
+_INFERENCE_MODE_SWITCHES = tuple(getattr(torch.autograd.grad_mode, name) for name in (
+    "_enter_inference_mode", "_exit_inference_mode") if hasattr(torch.autograd.grad_mode, name))
+_MODE_SWITCHES = (torch._C._set_grad_enabled,) + _INFERENCE_MODE_SWITCHES + tuple(
     getattr(torch.amp.autocast_mode, name) for name in ("_enter_autocast", "_exit_autocast")
     if hasattr(torch.amp.autocast_mode, name))
 
@@ -79,6 +81,14 @@ class Facts:
 
     def resolve(self, obj):
         return self.replaced.get(obj, obj) if isinstance(obj, fx.Node) else obj
+
+    def mutations(self, canon) -> list[tuple[fx.Node, list]]:
+        """(node, the tensors it may change in place) for each such node of the graph as traced, in order: found
+        once, not for every region (fused ops change nothing)."""
+        if "_mutations" not in self.__dict__:
+            self.__dict__["_mutations"] = [(node, mutated) for node in self.gm.graph.nodes
+                                           if (mutated := _mutated_by(node, canon, self.gm))]
+        return self.__dict__["_mutations"]
 
     @functools.cached_property
     def mode_switches(self) -> list[fx.Node]:
@@ -226,6 +236,9 @@ class _Growth:
         for name, obj in (("bias", bias), ("input", x)):
             if isinstance(obj, fx.Node) and self.facts.is_tensor(obj) is False:
                 return f"the {name} {describe(obj)} is not a tensor"
+        bias_tensor = self.facts.tensor(bias)
+        if bias_tensor is not None and tuple(bias_tensor.shape) != (self.features,):  # F.linear broadcasts any
+            return f"the bias {describe(bias)} has shape {tuple(bias_tensor.shape)}, not ({self.features},)"
         self.x, self.weight, self.bias = x, weight, bias
         self.transpose_weight = c.attrs["transpose_weight"]
         self.add_member(self.anchor, c)
@@ -274,7 +287,8 @@ class _Growth:
             return Boundary(f"{describe(node)} is another GEMM")
         switch = self.mode_switch_before(node)
         if switch is not None:  # the fused op runs where the region's last op was, under that op's modes
-            what = "grad mode" if switch.target is torch._C._set_grad_enabled else "autocast"
+            what = ("grad mode" if switch.target is torch._C._set_grad_enabled
+                    else "inference mode" if switch.target in _INFERENCE_MODE_SWITCHES else "autocast")
             return f"{describe(switch)} switches {what} between the GEMM and {describe(node)}"
         mutated = self.facts.resolve(c.inplace_of)
         if mutated is not None and mutated not in self.member_set:
@@ -543,10 +557,13 @@ def _mutated_by(node: fx.Node, canon, gm: fx.GraphModule) -> list:
         elif out is not None:
             mutated.append(out)
         inplace_module = node.op == "call_module" and getattr(gm.get_submodule(node.target), "inplace", False)
-        if (node.kwargs.get("inplace") is True or inplace_module) and node.args:
+        if (_inplace_argument(node) or inplace_module) and node.args:
             mutated.append(node.args[0])
     name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-    in_place_name = isinstance(name, str) and name.endswith("_") and not name.endswith("__")  # relu_, _foreach_mul_
+    if isinstance(node.target, torch._ops.OpOverload):  # aten.relu_.default
+        name = node.target.overloadpacket.__name__
+    in_place_name = isinstance(name, str) and (name.endswith("_") and not name.endswith("__")  # relu_, _foreach_mul_
+                                               or name.startswith("__i") and name.endswith("__"))  # __imul__
     if node.op in ("call_method", "call_function") and (in_place_name or node.target is operator.setitem) \
             and node.args:
         first = node.args[0]
@@ -554,10 +571,26 @@ def _mutated_by(node: fx.Node, canon, gm: fx.GraphModule) -> list:
     return [m for m in mutated if m is not None]
 
 
-def _bases(tensor, canon) -> set:
+def _inplace_argument(node: fx.Node) -> bool:
+    """`inplace=True` given by keyword or by position (Dynamo records nn.Dropout(inplace=True) as
+    F.dropout(x, p, training, True))."""
+    if node.kwargs.get("inplace") is True:
+        return True
+    if node.op != "call_function":
+        return False
+    for signature in signatures_of(node.target):
+        try:
+            if signature.bind(*node.args, **node.kwargs).arguments.get("inplace") is True:
+                return True
+        except TypeError:
+            continue
+    return False
+
+
+def _bases(tensor, canon, through_in_place=True) -> set:
     """`tensor` and every tensor it may be a view of: back through the inputs of every op but the epilogue ops and
     GEMMs of the vocabulary, which make tensors of their own (`y[:, :]`, `y.view(-1)`, `nn.Identity()(y)`,
-    `torch.broadcast_tensors(t, y)[1]` lead to `y`)."""
+    `torch.broadcast_tensors(t, y)[1]` lead to `y`), and (`through_in_place`) their in-place spellings."""
     bases, stack = set(), [tensor]
     while stack:
         node = stack.pop()
@@ -567,7 +600,8 @@ def _bases(tensor, canon) -> set:
         if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method", "call_module"):
             continue
         c = canon.get(node)
-        if c is not None and c.op not in (IDENTITY, COVERED) and c.inplace_of is None and not c.problem:
+        if c is not None and c.op not in (IDENTITY, COVERED) and not c.problem and (
+                c.inplace_of is None or not through_in_place):
             continue
         stack.extend(node.all_input_nodes)
     return bases
@@ -579,20 +613,23 @@ def _mutation_problem(region: Region, canon, facts: Facts) -> str | None:
     it changed where eager read it unchanged."""
     members = set(region.members)
     read_nodes = {o for o in (region.x, region.weight, region.bias, *region.params) if isinstance(o, fx.Node)}
+    # x = buf[:4] reads buf; z.add_(1) read after it ran is not a read of z before it
+    read_nodes = {base for node in read_nodes for base in _bases(node, canon, through_in_place=False)}
     read_paths = {o.path for o in (region.weight, region.bias, *region.params) if isinstance(o, Attr)}
     # The fused op keeps its epilogue operands and bias for its backward, where eager's ops may keep none of them
     # (an add keeps nothing): one changed in place after the region would make its backward raise.
-    kept_nodes = {o for o in (region.bias, *region.params) if isinstance(o, fx.Node)}
+    kept_nodes = {base for o in (region.bias, *region.params) if isinstance(o, fx.Node)
+                  for base in _bases(o, canon, through_in_place=False)}
     kept_paths = {o.path for o in (region.bias, *region.params) if isinstance(o, Attr)}
-    last = max(region.members, key=facts.position.get)
-    node = min(members, key=facts.position.get)
-    while node.op != "output":
-        node = node.next
-        if node in members:
+    first = min(facts.position[m] for m in members)
+    last = max(facts.position[m] for m in members)
+    for node, mutations in facts.mutations(canon):
+        position = facts.position.get(node)  # None: fused into an earlier region
+        if node in members or position is None or position <= first:
             continue
-        between = facts.position.get(node, -1) < facts.position[last]
+        between = position < last
         nodes, paths = (read_nodes, read_paths) if between else (kept_nodes, kept_paths)
-        for mutated in _mutated_by(node, canon, facts.gm):  # an earlier region's value: its fused op's now
+        for mutated in mutations:  # an earlier region's value: its fused op's now
             for base in _bases(facts.resolve(mutated), canon):
                 if base in nodes or (isinstance(base, fx.Node) and base.op == "get_attr" and base.target in paths):
                     if between:

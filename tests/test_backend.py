@@ -223,3 +223,93 @@ def test_backend_by_name_defaults_to_inductor_with_dynamic_shapes(caplog):
         assert_close_report(compiled(x), model(x))
     assert len(reports()) == compiled_graphs, "a new batch size recompiled"
     assert all("1 fused region" in report for report in reports()), reports()
+
+
+# ---------------------------------------------------------------- found by review: what Dynamo's graphs spell
+
+W = torch.randn(16, 16)
+
+
+def _changes_the_input_through_a_view(buf):
+    h = torch.nn.functional.linear(buf[:4], W)
+    buf.mul_(2)  # changes the GEMM's input after the GEMM read it
+    return torch.sigmoid(h)
+
+
+class InPlaceOnTheInput(nn.Module):
+    def __init__(self, act):
+        super().__init__()
+        self.fc, self.act = nn.Linear(16, 16), act
+
+    def forward(self, x):
+        h = self.fc(x)
+        x = self.act(x)  # Dynamo spells nn.Dropout(inplace=True) F.dropout(x, p, training, True)
+        return torch.sigmoid(h) + x
+
+
+class GemmInInferenceMode(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        with torch.inference_mode():
+            h = self.fc(x)
+        return torch.sigmoid(h) * x
+
+
+def _linear_with_a_2d_bias(x, w, b):
+    return torch.nn.functional.silu(torch.nn.functional.linear(x, w, b))
+
+
+def test_a_change_through_a_view_of_what_the_region_reads_is_seen():
+    buf = torch.randn(8, 16)
+    expected = _changes_the_input_through_a_view(buf.clone())
+    actual = torch.compile(_changes_the_input_through_a_view, backend=fxfuse.make_backend(inner="eager"))(buf.clone())
+    assert_close_report(actual, expected)
+
+
+@pytest.mark.parametrize("act", ["dropout", "rrelu"])
+def test_an_in_place_module_with_its_flag_given_by_position_is_seen(act):
+    module = nn.Dropout(0.5, inplace=True) if act == "dropout" else nn.RReLU(inplace=True)
+    model, x = InPlaceOnTheInput(module).train(act == "dropout"), torch.randn(4, 16)
+    with torch.no_grad():
+        torch.manual_seed(1)
+        expected = model(x.clone())
+        torch.manual_seed(1)
+        actual = torch.compile(model, backend=fxfuse.make_backend(inner="eager"))(x.clone())
+    assert_close_report(actual, expected)
+
+
+def test_a_region_never_spans_an_inference_mode_block():
+    model = GemmInInferenceMode()
+    x = torch.randn(4, 16, requires_grad=True)
+    torch.compile(model, backend=fxfuse.make_backend(inner="eager"))(x).sum().backward()
+    assert model.fc.weight.grad is None  # the GEMM ran in inference mode, as eager's
+
+
+def test_a_linear_with_a_bias_that_is_not_1_d_trains():
+    x, w = torch.randn(4, 16, requires_grad=True), torch.randn(32, 16, requires_grad=True)
+    b = torch.randn(1, 32, requires_grad=True)
+    torch.compile(_linear_with_a_2d_bias, backend=fxfuse.make_backend(inner="eager"))(x, w, b).sum().backward()
+    assert b.grad.shape == (1, 32)
+
+
+def test_the_users_global_inductor_post_pass_is_kept():
+    """The backend stamps Inductor's cache with fxfuse's sources through post_grad_custom_post_pass, but never in
+    place of a pass the user set globally (it replaced it)."""
+    import torch._inductor.config as inductor_config
+
+    from fxfuse.backend import _inner_compiler
+
+    saved = inductor_config.post_grad_custom_post_pass
+    try:
+        options = {}
+        _inner_compiler("inductor", None, options)
+        assert "post_grad_custom_post_pass" in options
+        inductor_config.post_grad_custom_post_pass = object()
+        options = {}
+        _inner_compiler("inductor", None, options)
+        assert "post_grad_custom_post_pass" not in options
+    finally:
+        inductor_config.post_grad_custom_post_pass = saved
