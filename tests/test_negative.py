@@ -1052,16 +1052,6 @@ def test_the_roots_state_dict_hooks_run_around_the_optimized_model():
     optimized.load_state_dict(legacy)
 
 
-class OptionalMask(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(IN, OUT)
-
-    def forward(self, x, mask=None):
-        h = F.gelu(self.fc(x))
-        return h * mask if mask is not None else h
-
-
 @pytest.mark.parametrize("example_inputs", ["x", "x and None"])
 def test_an_argument_traced_as_none_keeps_its_name_and_a_none_example_input_is_none(example_inputs):
     """With example inputs (x,), optimize(model)(x, mask=None) raised (fx named the input mask_1); with (x, None)
