@@ -161,8 +161,11 @@ def _trace(model: nn.Module, given_inputs: int | None, given_nones: Sequence[str
     else:
         tracer = _Tracer()
         concrete = {**_none_defaults(model, given_inputs), **{name: None for name in given_nones}}
-        with _forbidding_side_effects(model), _watching_mode_switches() as switched:
+        with _model_kept_as_it_was(model) as changed, _watching_mode_switches() as switched:
             graph = tracer.trace(model, concrete_args=concrete or None)
+        if changed:  # an fx trace runs what a forward does to its model once, at trace time, and records none of it
+            raise RuntimeError(f"its forward {' and '.join(changed[:3])}, which an fx trace would run once, at "
+                               "trace time (torch.compile(model, backend='fxfuse') keeps it)")
         _keep_argument_names(graph, concrete)
         if switched:
             raise RuntimeError(f"its forward switches {' and '.join(sorted(set(switched)))}, which an fx trace "
@@ -188,19 +191,22 @@ def _keep_argument_names(graph: fx.Graph, concrete: dict) -> None:
 
 
 @contextlib.contextmanager
-def _forbidding_side_effects(model: nn.Module):
-    """An fx trace runs what a forward does to the model itself once, at trace time, and records none of it: a
-    buffer changed in place, an attribute set. Such a forward is refused (its children are tried), and the model is
-    left as it was."""
+def _model_kept_as_it_was(model: nn.Module):
+    """Runs of `model`'s forward inside (a trace, the run that finds the children's inputs) leave it as it was:
+    buffers changed in place are restored, attributes set are put back or removed (fx's own tensor constants
+    aside). Yields a list that says, on exit, what had changed."""
     buffers = {name: (b, b._version, b.detach().clone()) for name, b in model.named_buffers()}
     attributes = {name: dict(vars(m)) for name, m in model.named_modules()}
+    changed: list[str] = []
     try:
-        yield
+        yield changed
     finally:
-        changed = []
         with torch.no_grad():
             for name, (buffer, version, saved) in buffers.items():
-                if buffer._version != version:
+                # (BatchNorm's kernel updates its statistics without bumping the version counter)
+                same = (torch.allclose(buffer, saved, rtol=0, atol=0, equal_nan=True) if buffer.is_floating_point()
+                        else torch.equal(buffer, saved))
+                if buffer._version != version or not same:
                     buffer.copy_(saved)
                     changed.append(f"changes buffer `{name}` in place")
         for name, module in model.named_modules():
@@ -213,9 +219,6 @@ def _forbidding_side_effects(model: nn.Module):
                     vars(module)[key] = before[key]
                 else:
                     del vars(module)[key]
-    if changed:
-        raise RuntimeError(f"its forward {' and '.join(changed[:3])}, which an fx trace would run once, at trace "
-                           "time (torch.compile(model, backend='fxfuse') keeps it)")
 
 
 _MISSING = object()
@@ -309,26 +312,18 @@ def _children_inputs(model: nn.Module, example_inputs) -> dict[str, tuple]:
 
     hooks = [child.register_forward_pre_hook(functools.partial(record, name), with_kwargs=True)
              for name, child in model.named_children()]
-    buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}  # the run must not change the model
-    attributes = {module: dict(vars(module)) for module in model.modules()}  # (`self.last = h` included)
-    # nor the random streams of the devices it touches (a dropout would move the caller's stream on)
+    # The run must change neither the model nor the random streams of the devices it touches (a dropout would
+    # move the caller's stream on).
     tensors = [*model.parameters(), *model.buffers(), *(t for t in example_inputs if isinstance(t, torch.Tensor))]
     cuda_devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=cuda_devices):
+        with _model_kept_as_it_was(model), torch.no_grad(), torch.random.fork_rng(devices=cuda_devices):
             model(*example_inputs)
     except Exception as error:
         logger.info("fxfuse: could not run the model to find its children's inputs: %s", error)
     finally:
         for hook in hooks:
             hook.remove()
-        with torch.no_grad():
-            for name, buffer in model.named_buffers():
-                if name in buffers:
-                    buffer.copy_(buffers[name])
-        for module, before in attributes.items():
-            vars(module).clear()
-            vars(module).update(before)
     return seen
 
 

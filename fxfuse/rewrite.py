@@ -79,8 +79,8 @@ def require_settings(module: nn.Module, path: str, settings: dict) -> None:
     """Called by rewritten graphs for each module folded into a fused op: its settings are still the program's,
     and it has no hooks of its own (the fused op would skip them; every module's, such as a profiler's, are
     the caller's to know)."""
-    hooks = hooks_of(module, own_only=True)
-    if hooks:
+    if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks:
+        hooks = hooks_of(module, own_only=True)  # (each call: only the dicts' truth, then the message)
         raise RuntimeError(f"fxfuse: `{path}` has {hooks} now, which its fused op would skip; run fxfuse.optimize() "
                            "on the model again")
     for name, value in settings.items():
