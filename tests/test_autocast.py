@@ -164,8 +164,11 @@ def test_optimized_model_under_cuda_autocast(name, mode, caplog):
     assert not [r for r in caplog.records if "runs the reference" in r.getMessage()]
     if mode == "train":
         params = list(model.parameters())  # each tail leaves some unused (allow_unused)
-        fused_grads = torch.autograd.grad(actual.float().square().sum(), params, allow_unused=True)
-        eager_grads = torch.autograd.grad(expected.float().square().sum(), params, allow_unused=True)
+        # A random cotangent: square().sum() of a group_norm's output is nearly constant, so its gradient is
+        # mostly cancellation, which bf16 rounding swamps (fc.weight's was 8e-2 off eager's on an H100).
+        cotangent = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1)).to(expected.device)
+        fused_grads = torch.autograd.grad(actual, params, cotangent.to(actual.dtype), allow_unused=True)
+        eager_grads = torch.autograd.grad(expected, params, cotangent.to(expected.dtype), allow_unused=True)
         for (what, param), fused, eager in zip(model.named_parameters(), fused_grads, eager_grads):
             assert (fused is None) == (eager is None), what
             if eager is None:
