@@ -564,11 +564,53 @@ def _mutated_by(node: fx.Node, canon, gm: fx.GraphModule) -> list:
         name = node.target.overloadpacket.__name__
     in_place_name = isinstance(name, str) and (name.endswith("_") and not name.endswith("__")  # relu_, _foreach_mul_
                                                or name.startswith("__i") and name.endswith("__"))  # __imul__
-    if node.op in ("call_method", "call_function") and (in_place_name or node.target is operator.setitem) \
-            and node.args:
+    if node.op in ("call_method", "call_function") and node.args and (
+            in_place_name or node.target is operator.setitem or node.target in _OPERATOR_IN_PLACE):
         first = node.args[0]
         mutated.extend(first if isinstance(first, (tuple, list)) else [first])  # _foreach_*_ take lists
+    if node.op == "call_function":
+        mutated.extend(_written_by_schema(node))
+        if _opaque(node.target):  # a Python function of the user's (torch.fx.wrap): it may change any tensor given
+            mutated.extend(node.all_input_nodes)
     return [m for m in mutated if m is not None]
+
+
+# Dynamo records `x //= 2` as operator.ifloordiv(x, 2): every augmented assignment changes a tensor in place.
+_OPERATOR_IN_PLACE = frozenset((operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                                operator.imod, operator.ipow, operator.imatmul, operator.iand, operator.ior,
+                                operator.ixor, operator.ilshift, operator.irshift))
+_PURE_MODULES = ("torch", "operator", "_operator", "builtins", "math", "fxfuse")
+
+
+def _written_by_schema(node: fx.Node) -> list:
+    """The arguments an operator's schema marks as written (`Tensor(a!) t`): custom ops and aten's alike. For an
+    overload packet, those of any of its overloads."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        schemas = [target._schema]
+    elif isinstance(target, torch._ops.OpOverloadPacket):
+        schemas = [getattr(target, name)._schema for name in target.overloads()]
+    else:
+        return []
+    written = []
+    for schema in schemas:
+        for index, argument in enumerate(schema.arguments):
+            if argument.alias_info is None or not argument.alias_info.is_write:
+                continue
+            if argument.name in node.kwargs:
+                written.append(node.kwargs[argument.name])
+            elif index < len(node.args) and not argument.kwarg_only:
+                written.append(node.args[index])
+    return [w for w in written if isinstance(w, fx.Node)]
+
+
+def _opaque(target) -> bool:
+    """Whether a call_function target is a Python function fxfuse knows nothing of: not torch's, not an operator
+    (whose schema tells what it writes), not a builtin."""
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return False
+    module = getattr(target, "__module__", None) or ""
+    return not any(module == name or module.startswith(name + ".") for name in _PURE_MODULES)
 
 
 def _inplace_argument(node: fx.Node) -> bool:
@@ -636,6 +678,28 @@ def _mutation_problem(region: Region, canon, facts: Facts) -> str | None:
                         return f"{describe(node)} changes {describe(base)} between the region's ops, which read it"
                     return (f"{describe(node)} changes {describe(base)} after the region, whose fused op keeps it "
                             "for its backward")
+                shared = _may_share_memory(base, nodes, paths, between)
+                if shared is not None:
+                    when = "between the region's ops, which read" if between else \
+                        "after the region, whose fused op keeps for its backward"
+                    return f"{describe(node)} changes {describe(base)} {when} {shared}: they may share memory"
+    return None
+
+
+def _may_share_memory(base, nodes: set, paths: set, between: bool) -> str | None:
+    """What the region reads (`between`) or keeps that a changed tensor `base` may be, or view, at run time though
+    the graph does not show it: two graph inputs (`f(t, t)`), two module tensors (tied weights, views of one
+    buffer); between the region's ops also an input and a module tensor. Tensors the graph makes are new."""
+    if not isinstance(base, fx.Node) or base.op not in ("placeholder", "get_attr"):
+        return None
+    inputs = [n for n in nodes if isinstance(n, fx.Node) and n.op == "placeholder"]
+    module_tensors = [n.target for n in nodes if isinstance(n, fx.Node) and n.op == "get_attr"] + sorted(paths)
+    if base.op == "placeholder" and inputs:
+        return describe(inputs[0])
+    if base.op == "get_attr" and module_tensors:
+        return f"`{module_tensors[0]}`"
+    if between and (inputs or module_tensors):
+        return describe(inputs[0]) if inputs else f"`{module_tensors[0]}`"
     return None
 
 

@@ -61,32 +61,50 @@ _NOT_COMPUTED_WITH = {"training", "inplace", "momentum"}
 
 
 def settings_of(module: nn.Module) -> dict:
-    """A module's plain settings (LeakyReLU's slope, GroupNorm's eps, Dropout's p), which a fused op's program
-    holds as they were when it was fused."""
+    """A module's plain settings (LeakyReLU's slope, GroupNorm's eps, RMSNorm's eps of None, Dropout's p), which a
+    fused op's program holds as they were when it was fused, and the parameters and buffers it had none of (a
+    Linear's bias, LayerNorm's weight without affine), which the program leaves out."""
     def python_value(value):  # the graph's code writes the settings as Python literals: NumPy's as Python's
         return value.item() if isinstance(value, numbers.Number) and hasattr(value, "item") else value
 
-    plain = (numbers.Number, str, tuple)
-    return {name: python_value(value) for name, value in vars(module).items()
-            if not name.startswith("_") and name not in _NOT_COMPUTED_WITH and isinstance(value, plain)}
+    plain = (numbers.Number, str, tuple, type(None))
+    settings = {name: python_value(value) for name, value in vars(module).items()
+                if not name.startswith("_") and name not in _NOT_COMPUTED_WITH and isinstance(value, plain)}
+    return settings | missing_tensors_of(module)
+
+
+def missing_tensors_of(module: nn.Module) -> dict:
+    return {name: None for slots in (module._parameters, module._buffers) for name, value in slots.items()
+            if value is None}
+
+
+def kind_of(module: nn.Module) -> str:
+    """The module's class, as the graph's code writes it: a folded module replaced by another kind (a LoRA-style
+    Linear, a Tanh for a ReLU) computes something else."""
+    return f"{type(module).__module__}.{type(module).__qualname__}"
 
 
 def _same_setting(a, b) -> bool:
     return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
 
 
-def require_settings(module: nn.Module, path: str, settings: dict) -> None:
-    """Called by rewritten graphs for each module folded into a fused op: its settings are still the program's,
-    and it has no hooks of its own (the fused op would skip them; every module's, such as a profiler's, are
-    the caller's to know)."""
+def require_settings(module: nn.Module, path: str, settings: dict, kind: str) -> None:
+    """Called by rewritten graphs for each module folded into a fused op: it is still of its kind, with the class's
+    forward, its settings are still the program's, and it has no hooks of its own (the fused op would skip them;
+    every module's, such as a profiler's, are the caller's to know)."""
     if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks:
         hooks = hooks_of(module, own_only=True)  # (each call: only the dicts' truth, then the message)
         raise RuntimeError(f"fxfuse: `{path}` has {hooks} now, which its fused op would skip; run fxfuse.optimize() "
                            "on the model again")
+    if kind_of(module) != kind or "forward" in vars(module):
+        now = kind_of(module) + (" with a forward of its own" if "forward" in vars(module) else "")
+        raise RuntimeError(f"fxfuse: `{path}` was a {kind} when it was fused and is now a {now}; run "
+                           "fxfuse.optimize() on the model again")
     for name, value in settings.items():
         now = getattr(module, name, None)
         if not _same_setting(now, value):
-            raise RuntimeError(f"fxfuse: `{path}`.{name} was {value!r} when it was fused and is now {now!r}; "
+            shown = f"a tensor of shape {tuple(now.shape)}" if isinstance(now, torch.Tensor) else repr(now)
+            raise RuntimeError(f"fxfuse: `{path}`.{name} was {value!r} when it was fused and is now {shown}; "
                                "run fxfuse.optimize() on the model again")
 
 
@@ -131,8 +149,10 @@ def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool)
             module = gm.get_submodule(member.target)
             if _behaves_differently_in_training(module):
                 graph.call_function(require_eval_mode, (graph.get_attr(member.target), member.target))
-            settings = {} if member is region.anchor else settings_of(module)  # the GEMM's: its weight's shape
-            graph.call_function(require_settings, (graph.get_attr(member.target), member.target, settings))
+            # The GEMM's weight and bias are read at each call: only a bias it had none of is in its program.
+            settings = missing_tensors_of(module) if member is region.anchor else settings_of(module)
+            graph.call_function(require_settings, (graph.get_attr(member.target), member.target, settings,
+                                                   kind_of(module)))
         if region.check_matrix:
             graph.call_function(require_matrix, (region.x,))
         weight = _tensor_node(graph, region.weight)

@@ -468,6 +468,82 @@ def test_fresh_tensor_changed_between_region_ops_does_not_stop_the_region():
     assert_fuses(model, (rows(), torch.randn(BATCH, OUT)), regions=1)
 
 
+@torch.library.custom_op("fxfuse_tests::bump", mutates_args=("t",))
+def bump(t: torch.Tensor) -> None:
+    t.add_(1.0)
+
+
+@bump.register_fake
+def _(t):
+    return None
+
+
+@torch.fx.wrap
+def bump_in_python(t):
+    t.add_(1.0)
+
+
+def changes_x_by_custom_op(m, x, y):
+    h = m.fc(x)
+    torch.ops.fxfuse_tests.bump(x)
+    return torch.relu(h)
+
+
+def changes_x_in_python(m, x, y):
+    h = m.fc(x)
+    bump_in_python(x)  # a call_function node: fx does not trace into it
+    return torch.relu(h)
+
+
+@pytest.mark.parametrize("forward", [changes_x_by_custom_op, changes_x_in_python],
+                         ids=["custom op whose schema writes x", "wrapped Python function"])
+def test_a_call_that_may_change_x_between_the_regions_ops_stops_it(forward):
+    """The GEMM moves to where the chain's last op was: a custom op whose schema says it writes its argument, or a
+    Python function fxfuse cannot see into, must not run before it (it did: only in-place names counted)."""
+    model, x = GemmThen(forward).eval(), rows()
+    optimized = fxfuse.optimize(model, (x.clone(), None))
+    with torch.no_grad():
+        assert_close_report(optimized(x.clone(), None), model(x.clone(), None))
+    assert fused_op_count(optimized) == 0
+    assert_reason(optimized, "between the region's ops, which read it")
+
+
+def changes_y_between(m, x, y):
+    h = m.fc(x)
+    y.mul_(2.0)
+    return torch.relu(h)
+
+
+def test_a_change_to_another_input_between_the_regions_ops_stops_it():
+    """`model(t, t)`: y is x at run time, though the graph cannot tell (it fused, and read x doubled)."""
+    model, base = GemmThen(changes_y_between, in_features=OUT).eval(), rows(features=OUT)
+    optimized = fxfuse.optimize(model, (rows(features=OUT), rows(features=OUT)))
+    assert fused_op_count(optimized) == 0
+    assert_reason(optimized, "changes `y` between the region's ops, which read `x`: they may share memory")
+    expected_input, actual_input = base.clone(), base.clone()
+    with torch.no_grad():
+        assert_close_report(optimized(actual_input, actual_input), model(expected_input, expected_input))
+
+
+@pytest.mark.parametrize("augmented", ["floordiv", "mod"])
+def test_the_backend_sees_every_augmented_assignment_as_in_place(augmented):
+    """Dynamo records `x //= 0.5` as operator.ifloordiv(x, 0.5); it ran before the fused op that reads x."""
+    def forward(m, x, y):
+        h = m.fc(x)
+        if augmented == "floordiv":
+            x //= 0.5
+        else:
+            x %= 0.3
+        return h + x
+
+    torch._dynamo.reset()
+    model, x = GemmThen(forward, in_features=OUT).eval(), rows(features=OUT)
+    compiled = torch.compile(model, backend=fxfuse.make_backend(inner="eager"))
+    with torch.no_grad():
+        assert_close_report(compiled(x.clone(), None), model(x.clone(), None))
+    torch._dynamo.reset()
+
+
 # ---------------------------------------------------------------- scalars and dtypes as eager has them
 
 
@@ -1069,6 +1145,62 @@ def test_a_hook_added_to_a_folded_module_after_optimizing_raises():
     optimized = fxfuse.optimize(model, (rows(),))
     model[1].register_forward_hook(lambda module, args, out: out * 0)
     with pytest.raises(RuntimeError, match="has forward hooks now, which its fused op would skip"):
+        optimized(rows())
+
+
+class LinearWithShift(nn.Linear):  # a LoRA-style adapter: a Linear whose forward adds something
+    def forward(self, x):
+        return super().forward(x) + 1.0
+
+
+def replace_activation(optimized):
+    optimized.add_module("1", nn.Tanh())
+
+
+def replace_linear(optimized):
+    shifted = LinearWithShift(IN, OUT)
+    shifted.load_state_dict(optimized.get_submodule("0").state_dict())
+    optimized.add_module("0", shifted)
+
+
+def give_activation_a_forward(optimized):
+    optimized.get_submodule("1").forward = torch.tanh
+
+
+@pytest.mark.parametrize("change", [replace_activation, replace_linear, give_activation_a_forward])
+def test_a_folded_module_replaced_after_optimizing_raises(change):
+    """A module folded into a fused op must still be of its class, with the class's forward (a swapped ReLU or a
+    Linear subclass ran as the program said, silently)."""
+    model = nn.Sequential(nn.Linear(IN, OUT), nn.ReLU()).eval()
+    optimized = fxfuse.optimize(model, (rows(),))
+    change(optimized)
+    with pytest.raises(RuntimeError, match="when it was fused and is now a"):
+        optimized(rows())
+
+
+def set_norm_eps(model):
+    model[1].eps = 1.0
+
+
+def give_linear_a_bias(model):
+    model[0].bias = nn.Parameter(torch.ones(OUT))
+
+
+def give_norm_a_weight(model):
+    model[1].weight = nn.Parameter(torch.full((OUT,), -1.0))
+
+
+@pytest.mark.parametrize("change", [set_norm_eps, give_linear_a_bias, give_norm_a_weight])
+def test_a_setting_or_tensor_that_was_none_when_fused_is_guarded(change):
+    """RMSNorm's eps of None (the dtype's epsilon), a Linear without a bias, a norm without affine: the program
+    leaves them out, so setting one later must raise like any other changed setting."""
+    norm = nn.RMSNorm(OUT, elementwise_affine=False) if change is not give_norm_a_weight else \
+        nn.LayerNorm(OUT, elementwise_affine=False)
+    model = nn.Sequential(nn.Linear(IN, OUT, bias=False), norm).eval()
+    optimized = fxfuse.optimize(model, (rows(),))
+    assert fused_op_count(optimized) == 1
+    change(model)
+    with pytest.raises(RuntimeError, match="was None when it was fused"):
         optimized(rows())
 
 
