@@ -14,6 +14,7 @@ import copy
 import functools
 import inspect
 import logging
+import operator
 import types
 from typing import Any, Sequence
 
@@ -22,7 +23,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .report import MissRow, Report
-from .canonicalize import signatures_of
+from .canonicalize import hooks_of, signatures_of
 from .rewrite import fuse_graph
 
 logger = logging.getLogger("fxfuse")
@@ -38,8 +39,16 @@ class FusedGraphModule(fx.GraphModule):
     # (each module's mode when the graph was traced, the call that fixed one), where the forward passed a
     # module's self.training on (F.dropout(h, p, training=self.training)): any mode change makes the graph wrong
     traced_training: tuple[dict[str, bool], str] | None = None
+    # (path, module) of each module the trace ran through rather than calling it: a hook added to one later would
+    # never run (one it had kept it a call of its own)
+    inlined: tuple[tuple[str, nn.Module], ...] = ()
 
     def __call__(self, *args, **kwargs):
+        for path, module in self.inlined:
+            if _has_call_hooks(module):
+                raise RuntimeError(f"fxfuse: `{path}` has {hooks_of(module, own_only=True)} now; the optimized model "
+                                   "runs its ops without calling it, so they would never run: run fxfuse.optimize() "
+                                   "on the model again")
         if self.traced_training is not None:
             modes, call = self.traced_training
             for path, module in self.named_modules():
@@ -55,6 +64,7 @@ class FusedGraphModule(fx.GraphModule):
         copied = super().__deepcopy__(memo)
         _adopt_state(copied, _state_of(copy.deepcopy(self.__dict__, memo)))
         copied.traced_training = self.traced_training
+        copied.inlined = copy.deepcopy(self.inlined, memo)
         return copied
 
     def __reduce__(self):
@@ -71,8 +81,11 @@ class FusedGraphModule(fx.GraphModule):
 
 
 def _state_of(attributes: dict):
+    """The state _adopt_state takes from a module's attributes: its children, tensors, mode and own hooks (the
+    root's hooks run around the optimized forward, in a copy or an unpickled model too)."""
     names = ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set", "training")
-    return types.SimpleNamespace(**{name: attributes[name] for name in names})
+    hooks = {name: attributes[name] for name in _HOOK_DICTS if name in attributes}
+    return types.SimpleNamespace(**{name: attributes[name] for name in names}, **hooks)
 
 
 def _unpickle_fused(rebuild, args) -> FusedGraphModule:
@@ -146,18 +159,57 @@ def _mode_dependent_call(graph: fx.Graph, modes: set[bool]) -> fx.Node | None:
     return None
 
 
+class _Proxy(fx.Proxy):
+    """fx's Proxy, with Python's augmented assignments recorded as the in-place ops they are: fx's own falls back
+    to `t = t + b`, so `t += b` in a helper left the caller's tensor unchanged in the graph."""
+
+
+def _recorded_in_place(function):
+    def method(self, other):
+        return self.tracer.create_proxy("call_function", function, (self, other), {})
+    return method
+
+
+for _function in (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
+                  operator.ipow, operator.imatmul, operator.iand, operator.ior, operator.ixor, operator.ilshift,
+                  operator.irshift):
+    setattr(_Proxy, f"__{_function.__name__}__", _recorded_in_place(_function))
+
+
+def _has_call_hooks(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks)
+
+
 class _Tracer(fx.Tracer):
-    """fx's tracer, with a model fxfuse already optimized as one call: its graph checks at each call that the
-    modules it folded keep their modes and settings, which tracing through it would run once, at trace time."""
+    """fx's tracer, with these kept as one call each: a model fxfuse already optimized (its graph checks at each
+    call that the modules it folded keep their modes and settings, which tracing through it would run once, at
+    trace time), and a module with hooks (which a trace through it would run once, on proxies). It records the
+    modules it traces through (`inlined`), whose hooks the optimized model can't run."""
+
+    def __init__(self):
+        super().__init__()
+        self.inlined: dict[str, nn.Module] = {}
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _Proxy(node, self)
 
     def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
-        return isinstance(module, FusedGraphModule) or super().is_leaf_module(module, qualified_name)
+        return isinstance(module, FusedGraphModule) or _has_call_hooks(module) or \
+            super().is_leaf_module(module, qualified_name)
+
+    def call_module(self, module: nn.Module, forward, args, kwargs):
+        path = self.path_of_module(module)
+        if not self.is_leaf_module(module, path):
+            self.inlined[path] = module
+        return super().call_module(module, forward, args, kwargs)
 
 
 def _trace(model: nn.Module, given_inputs: int | None, given_nones: Sequence[str] = ()) -> fx.GraphModule:
     if isinstance(model, fx.GraphModule):
         gm = FusedGraphModule(model, copy.deepcopy(model.graph), class_name=type(model).__name__)
         gm.traced_training = getattr(model, "traced_training", None)
+        gm.inlined = getattr(model, "inlined", ())
     else:
         tracer = _Tracer()
         concrete = {**_none_defaults(model, given_inputs), **{name: None for name in given_nones}}
@@ -171,6 +223,7 @@ def _trace(model: nn.Module, given_inputs: int | None, given_nones: Sequence[str
             raise RuntimeError(f"its forward switches {' and '.join(sorted(set(switched)))}, which an fx trace "
                                "would drop (torch.compile(model, backend='fxfuse') keeps it)")
         gm = FusedGraphModule(tracer.root, graph, class_name=type(model).__name__)
+        gm.inlined = tuple(tracer.inlined.items())
     if gm.traced_training is None:
         dependent = _mode_dependent_call(gm.graph, {m.training for m in model.modules()})
         if dependent is not None:
@@ -197,10 +250,21 @@ def _model_kept_as_it_was(model: nn.Module):
     aside). Yields a list that says, on exit, what had changed."""
     buffers = {name: (b, b._version, b.detach().clone()) for name, b in model.named_buffers()}
     attributes = {name: dict(vars(m)) for name, m in model.named_modules()}
+    # A forward that appends its activations to `self.acts` (a list, dict or set of the module's) changes it in place.
+    containers = {(name, key): (value, copy.copy(value)) for name, m in model.named_modules()
+                  for key, value in vars(m).items() if not key.startswith("_") and isinstance(value, (list, dict, set))}
     changed: list[str] = []
     try:
         yield changed
     finally:
+        for (name, key), (container, saved) in containers.items():
+            if not _same_contents(container, saved):
+                changed.append(f"changes `{f'{name}.' if name else ''}{key}` in place")
+                container.clear()
+                if isinstance(container, list):
+                    container.extend(saved)
+                else:
+                    container.update(saved)
         with torch.no_grad():
             for name, (buffer, version, saved) in buffers.items():
                 # (BatchNorm's kernel updates its statistics without bumping the version counter)
@@ -219,6 +283,17 @@ def _model_kept_as_it_was(model: nn.Module):
                     vars(module)[key] = before[key]
                 else:
                     del vars(module)[key]
+
+
+def _same_contents(container, saved) -> bool:
+    """Whether a list, dict or set holds the same objects it held (identity: a tensor's == is elementwise)."""
+    if len(container) != len(saved):
+        return False
+    if isinstance(container, dict):
+        return container.keys() == saved.keys() and all(container[k] is saved[k] for k in saved)
+    if isinstance(container, set):
+        return {id(v) for v in container} == {id(v) for v in saved}
+    return all(a is b for a, b in zip(container, saved))
 
 
 _MISSING = object()
@@ -293,14 +368,38 @@ def _propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None
         # A lazy module would initialize its parameters on the fake tensors, leaving the model's own on "meta".
         logger.info("fxfuse: no shapes (the model has uninitialized lazy parameters); matching without them")
         return
+    hooked = [module for module in gm.modules() if module is not gm and _has_call_hooks(module)]
     try:
         mode = FakeTensorMode(allow_non_fake_inputs=True)
-        with _fake_buffers(gm, mode):
+        with _fake_buffers(gm, mode), _call_hooks_set_aside(hooked):
             FakeTensorProp(gm, mode).propagate(*example_inputs)
     except Exception as error:  # shapes are a help, not a need: the matcher proves less without them
         logger.info("fxfuse: no shapes (%s: %s); matching without them", type(error).__name__, error)
         for node in gm.graph.nodes:
             node.meta.pop("val", None)
+    # What a hooked module returns, and all that follows from it, is unknown: its hooks did not run.
+    unknown: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if (node.op == "call_module" and gm.get_submodule(node.target) in hooked) or \
+                any(source in unknown for source in node.all_input_nodes):
+            unknown.add(node)
+            node.meta.pop("val", None)
+
+
+_CALL_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+@contextlib.contextmanager
+def _call_hooks_set_aside(modules: list[nn.Module]):
+    """The shapes run calls the graph's modules on fake tensors: their hooks, the user's code, must not see them."""
+    saved = [(module, name, getattr(module, name)) for module in modules for name in _CALL_HOOK_DICTS]
+    try:
+        for module, name, hooks in saved:
+            setattr(module, name, type(hooks)())
+        yield
+    finally:
+        for module, name, hooks in saved:
+            setattr(module, name, hooks)
 
 
 def _children_inputs(model: nn.Module, example_inputs) -> dict[str, tuple]:

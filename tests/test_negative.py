@@ -1204,6 +1204,99 @@ def test_a_setting_or_tensor_that_was_none_when_fused_is_guarded(change):
         optimized(rows())
 
 
+class LinearReLU(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(IN, OUT)
+
+    def forward(self, x):
+        return torch.relu(self.fc(x))
+
+
+class BlockThenScale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block, self.other = LinearReLU(), LinearReLU()
+
+    def forward(self, x):
+        return self.block(x) * 2.0 + self.other(x)
+
+
+def test_a_module_with_hooks_is_called_not_traced_through():
+    """fx traces through a module of the user's: its hooks ran once, on proxies, and never again. It stays a call,
+    whose hooks run at each call and never on the shapes run's fake tensors; the rest still fuses."""
+    model, seen = BlockThenScale().eval(), []
+    model.block.register_forward_hook(lambda module, args, out: seen.append(type(out)) or out + 100.0)
+    optimized = fxfuse.optimize(model, (rows(),))
+    assert seen == [] and fused_op_count(optimized) == 1  # `other`'s linear and relu
+    x = rows()
+    with torch.no_grad():
+        assert_close_report(optimized(x), model(x))
+    assert seen == [torch.Tensor, torch.Tensor]
+
+
+def test_a_hook_added_after_optimizing_to_a_module_traced_through_raises():
+    model = BlockThenScale().eval()
+    optimized = fxfuse.optimize(model, (rows(),))
+    assert fused_op_count(optimized) == 2
+    model.block.register_forward_pre_hook(lambda module, args: None)
+    with pytest.raises(RuntimeError, match="`block` has forward pre-hooks now; the optimized model runs its ops"):
+        optimized(rows())
+
+
+def add_into(t, b):
+    t += b  # changes the caller's tensor: no rebinding it sees
+
+
+class AddsInPlaceInAHelper(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(IN, OUT)
+        self.b = nn.Parameter(torch.full((OUT,), 10.0))
+
+    def forward(self, x):
+        h = self.fc(x)
+        add_into(h, self.b)
+        out = torch.relu(h)
+        add_into(x, 1.0)  # after the region: between its ops, x would be read changed
+        return out
+
+
+def test_an_augmented_assignment_is_traced_as_the_in_place_op_it_is():
+    """fx's Proxy has no `__iadd__`: `t += b` traced as `t = t + b`, lost on the caller's h (the fused op gave
+    relu(h) without b) and on the caller's x."""
+    model = AddsInPlaceInAHelper().eval()
+    optimized = fxfuse.optimize(model, (rows(),))
+    assert fused_programs(optimized) == ["add(%0,$0);relu(%1)"]
+    expected_input = rows()
+    actual_input = expected_input.clone()
+    with torch.no_grad():
+        assert_close_report(optimized(actual_input), model(expected_input))
+    assert torch.equal(actual_input, expected_input)  # both went up by one
+
+
+class KeepsItsActivations(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(IN, OUT)
+        self.acts = []
+
+    def forward(self, x):
+        h = torch.relu(self.fc(x))
+        self.acts.append(h)
+        return h * 2.0
+
+
+def test_a_forward_that_appends_to_its_models_list_is_not_traced():
+    """The trace appended a proxy to the user's list once, and the optimized model never appended again."""
+    model = KeepsItsActivations().eval()
+    optimized = fxfuse.optimize(model, (rows(),))
+    assert model.acts == []
+    assert any("changes `acts` in place" in row.reason for row in optimized.fxfuse_report.skipped)
+    optimized(rows())
+    assert len(model.acts) == 1 and isinstance(model.acts[0], torch.Tensor)
+
+
 def test_a_model_left_unfused_is_a_copy_whose_registrations_leave_the_model_alone():
     model = nn.Sequential(nn.Linear(IN, OUT)).eval()
     optimized = fxfuse.optimize(model, (rows(),))

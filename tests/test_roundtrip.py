@@ -109,6 +109,25 @@ def test_roundtrip_keeps_the_fused_module_working(roundtrip):
     assert str(restored.fxfuse_report) == str(optimized.fxfuse_report)
 
 
+def add_one(module, args, out):
+    return out + 1.0
+
+
+@pytest.mark.parametrize("roundtrip", [copy.copy, roundtrip_deepcopy, roundtrip_pickle, roundtrip_torch_save],
+                         ids=["copy", "deepcopy", "pickle", "torch.save"])
+def test_roundtrip_keeps_the_models_own_hooks(roundtrip):
+    """The root's hooks run around the optimized forward, in its copies too (deepcopy and unpickling dropped them,
+    as eager's copies keep them)."""
+    model, _ = optimized_block()
+    model.register_forward_hook(add_one)
+    optimized = fxfuse.optimize(model, (torch.randn(3, 24),))
+    restored = roundtrip(optimized)
+    assert len(restored._forward_hooks) == 1
+    x = torch.randn(5, 24)
+    with torch.no_grad():
+        assert_close_report(restored(x), model(x))
+
+
 def test_state_dict_saved_from_the_optimized_module_loads_into_a_fresh_model():
     model, optimized = optimized_block()
     buffer = io.BytesIO()
