@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from .report import MissRow, Report
 from .canonicalize import hooks_of, signatures_of
-from .rewrite import fuse_graph
+from .rewrite import GRAPH_HELPERS, fuse_graph
 
 logger = logging.getLogger("fxfuse")
 
@@ -68,8 +68,11 @@ class FusedGraphModule(fx.GraphModule):
         return copied
 
     def __reduce__(self):
-        rebuild, args = super().__reduce__()
-        return _unpickle_fused, (rebuild, args)
+        rebuild, (attributes, imports) = super().__reduce__()
+        # Unpickling re-traces the forward's code: with fx's own tracer the checks the graph calls (require_settings,
+        # require_rank...) would run once, then, and be gone from the graph.
+        attributes["_tracer_cls"] = _Tracer
+        return _unpickle_fused, (rebuild, (attributes, imports))
 
     def __copy__(self):
         copied = super().__copy__()  # a plain GraphModule of what the graph reads, sharing this graph
@@ -188,7 +191,7 @@ class _Tracer(fx.Tracer):
     modules it traces through (`inlined`), whose hooks the optimized model can't run."""
 
     def __init__(self):
-        super().__init__()
+        super().__init__(autowrap_functions=GRAPH_HELPERS)  # calls of their own in a graph traced again
         self.inlined: dict[str, nn.Module] = {}
 
     def proxy(self, node: fx.Node) -> fx.Proxy:

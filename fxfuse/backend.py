@@ -186,7 +186,7 @@ class FxfuseBackend:
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]):
         _load_kernels_for(example_inputs)
         pin_traced_scalars(gm, example_inputs)
-        report = fuse_graph(gm, training=is_training_graph(gm, example_inputs))
+        report = fuse_graph(gm, training=is_training_graph(gm, example_inputs), shapes_guarded=True)
         self.reports.append(report)
         logger.info("fxfuse backend: %s", report)
         return self.compile_inner(gm, example_inputs)

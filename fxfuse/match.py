@@ -47,6 +47,9 @@ class Region:
     params: list[Any]                # fx.Node | Attr, in $k order
     program: Program
     check_matrix: bool = False       # mm / addmm: the rewritten graph checks at every call that x is 2-D
+    # The rank of x the program holds for (group_norm's channels are dim 1 of a 2-D value, softmax(dim=1) is over
+    # the features of a 2-D one): the rewritten graph checks it at every call. None: any rank.
+    x_rank: int | None = None
 
 
 class Boundary(str):
@@ -168,6 +171,8 @@ class _Growth:
         self.value: dict[fx.Node, int] = {}     # fx node -> program value index
         self.rank: dict[int, int | None] = {}   # value index -> rank, when known
         self.reduced: set[int] = set()          # values that are one number per row
+        # (x's rank that an admitted op's meaning depends on, the member count before that op)
+        self.x_rank: tuple[int, int] | None = None
         self.instructions: list[Instruction] = []
         self.params: list[Any] = []
         self.misses: list[NearMiss] = []
@@ -324,7 +329,8 @@ class _Growth:
             return (f"{c.op} with dtype={_dtype_name(dtype_needed)} pins its result's dtype, which the fused op "
                     "would not under autocast")
         rank = self.result_rank(operands)
-        problem = self.row_local_problem(node, c, spec, values[0].index, rank)
+        problem = self.row_local_problem(node, c, spec, values[0].index, rank) or self.rank_dependence(node, c, spec,
+                                                                                                       rank)
         if problem:
             return problem
         attrs = tuple(c.attrs[name] for name in spec.attrs)
@@ -376,6 +382,26 @@ class _Growth:
                 ranks.append(self.facts.rank(self.params[o.index]))
         return None if any(r is None for r in ranks) else max(ranks, default=None)
 
+    def rank_dependence(self, node, c: Canonical, spec, rank: int | None) -> str | None:
+        """Record the rank of x that `node`'s meaning depends on (it works on unreduced values, whose rank is x's):
+        group_norm and batch_norm take the features as dim 1 of a 2-D value, instance_norm takes the ranks it
+        names, an op over an explicit dim takes it as the features. At run time another rank must raise, not
+        compute what the program says. Conflicting needs make a problem."""
+        if c.op in ("group_norm", "batch_norm"):
+            needed = 2
+        elif c.attrs.get("rank_needed"):
+            needed = rank
+        elif spec.feature_dim_attr and c.attrs[spec.feature_dim_attr] != -1:
+            needed = c.attrs[spec.feature_dim_attr] + 1
+        else:
+            return None
+        if self.x_rank is not None and self.x_rank[0] != needed:
+            return (f"{describe(node)} holds for {needed}-D inputs, an earlier op of the region for "
+                    f"{self.x_rank[0]}-D ones")
+        if self.x_rank is None:
+            self.x_rank = (needed, len(self.members))
+        return None
+
     def row_local_problem(self, node, c: Canonical, spec, input_index: int, rank: int | None) -> str | None:
         """Norms and reductions must work within each row of the GEMM output; say why not if they don't."""
         if spec.kind == POINTWISE and c.op != "batch_norm":
@@ -425,6 +451,8 @@ class _Growth:
         for index in [i for i in self.rank if i > n_instructions]:
             del self.rank[index]
             self.reduced.discard(index)
+        if self.x_rank is not None and self.x_rank[1] >= n_members:
+            self.x_rank = None
 
     # -- validity of the current prefix
 
@@ -513,7 +541,8 @@ def find_region(gm: fx.GraphModule, anchor: fx.Node, canon, facts: Facts):
         misses.insert(0, NearMiss(anchor, growth.members[n_members], first_cut_reason))
     region = Region(anchor, growth.members[:n_members], output, growth.x, growth.weight, growth.transpose_weight,
                     growth.bias, growth.params[:n_params], Program(tuple(growth.instructions[:n_instructions])),
-                    check_matrix=canon[anchor].attrs.get("matrix_input", False))
+                    check_matrix=canon[anchor].attrs.get("matrix_input", False),
+                    x_rank=growth.x_rank[0] if growth.x_rank is not None and growth.x_rank[1] < n_members else None)
     problem = prove_legal(gm, region, facts) or _mutation_problem(region, canon, facts)
     if problem:
         return None, [NearMiss(anchor, anchor, problem)]

@@ -47,8 +47,10 @@ def _behaves_differently_in_training(module: nn.Module) -> bool:
     return isinstance(module, nn.modules.batchnorm._BatchNorm)
 
 
-def require_eval_mode(module: nn.Module, path: str) -> None:
-    """Called by rewritten graphs for each eval-mode Dropout or BatchNorm module folded into a fused op."""
+def require_eval_mode(x, module: nn.Module, path: str) -> None:
+    """Called by rewritten graphs for each eval-mode Dropout or BatchNorm module folded into a fused op. `x`, the
+    fused op's input, is unused: an argument that is a proxy keeps the call in the graph when fx traces the code
+    again (unpickling), which otherwise runs it once, then, and drops it."""
     if module.training:
         raise RuntimeError(f"fxfuse: `{path}` was in eval mode when it was fused, so this graph has none of its "
                            "train-mode behaviour; to train, run fxfuse.optimize() on the model in train mode "
@@ -88,10 +90,10 @@ def _same_setting(a, b) -> bool:
     return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
 
 
-def require_settings(module: nn.Module, path: str, settings: dict, kind: str) -> None:
+def require_settings(x, module: nn.Module, path: str, settings: dict, kind: str) -> None:
     """Called by rewritten graphs for each module folded into a fused op: it is still of its kind, with the class's
     forward, its settings are still the program's, and it has no hooks of its own (the fused op would skip them;
-    every module's, such as a profiler's, are the caller's to know)."""
+    every module's, such as a profiler's, are the caller's to know). `x`: as require_eval_mode's."""
     if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks:
         hooks = hooks_of(module, own_only=True)  # (each call: only the dicts' truth, then the message)
         raise RuntimeError(f"fxfuse: `{path}` has {hooks} now, which its fused op would skip; run fxfuse.optimize() "
@@ -115,6 +117,17 @@ def require_matrix(x: torch.Tensor) -> None:
         raise RuntimeError(f"self must be a matrix (mm and addmm take 2-D inputs; got {x.dim()}-D)")
 
 
+def require_rank(tensor: torch.Tensor, rank: int, what: str) -> None:
+    """Called by optimize()'s rewritten graphs before a fused op that holds for one rank of x only (group_norm's
+    channels are dim 1 of a 2-D value; softmax(dim=1) is over the features of a 2-D one), or whose weight is a
+    forward argument (a 3-D one would make eager's matmul batched): eager computes something else for another
+    rank, or raises. (Dynamo guards ranks itself.)"""
+    if tensor.dim() != rank:
+        raise RuntimeError(f"fxfuse: this part of the model was optimized for a {rank}-D {what}, for which its fused "
+                           f"op computes what its ops do; got a {tensor.dim()}-D one: run fxfuse.optimize() with "
+                           "example inputs of these ranks (or use torch.compile(model, backend='fxfuse'))")
+
+
 def number_as_tensor(value):
     """Called by rewritten graphs for a forward argument that the matcher took for a tensor without example inputs:
     a number passed there (Python's or NumPy's) becomes a 0-d CPU tensor, which torch's ops read at full precision
@@ -130,14 +143,14 @@ def _maybe_number(node) -> bool:
 
 
 # What a rewritten graph calls beside its fused ops.
-GRAPH_HELPERS = (require_eval_mode, require_settings, require_matrix, number_as_tensor)
+GRAPH_HELPERS = (require_eval_mode, require_settings, require_matrix, require_rank, number_as_tensor)
 
 
 def _copy_meta(node: fx.Node, source: fx.Node, keys) -> None:
     node.meta.update({k: v for k, v in source.meta.items() if k in keys})
 
 
-def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool) -> fx.Node:
+def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool, shapes_guarded: bool) -> fx.Node:
     graph = gm.graph
     last = max(region.members, key=position.get)
     after = last.next
@@ -148,13 +161,17 @@ def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool)
                 continue
             module = gm.get_submodule(member.target)
             if _behaves_differently_in_training(module):
-                graph.call_function(require_eval_mode, (graph.get_attr(member.target), member.target))
+                graph.call_function(require_eval_mode, (region.x, graph.get_attr(member.target), member.target))
             # The GEMM's weight and bias are read at each call: only a bias it had none of is in its program.
             settings = missing_tensors_of(module) if member is region.anchor else settings_of(module)
-            graph.call_function(require_settings, (graph.get_attr(member.target), member.target, settings,
+            graph.call_function(require_settings, (region.x, graph.get_attr(member.target), member.target, settings,
                                                    kind_of(module)))
         if region.check_matrix:
             graph.call_function(require_matrix, (region.x,))
+        if region.x_rank is not None and not shapes_guarded:
+            graph.call_function(require_rank, (region.x, region.x_rank, "input"))
+        if isinstance(region.weight, fx.Node) and region.weight.op == "placeholder" and not shapes_guarded:
+            graph.call_function(require_rank, (region.weight, 2, "weight"))
         weight = _tensor_node(graph, region.weight)
         if region.transpose_weight:
             weight = graph.call_function(torch.t, (weight,))
@@ -197,11 +214,12 @@ def _drop_unused_epilogue_ops(gm: fx.GraphModule, canon: dict) -> None:
         del canon[node]
 
 
-def fuse_graph(gm: fx.GraphModule, where: str = "", training: bool = False) -> Report:
+def fuse_graph(gm: fx.GraphModule, where: str = "", training: bool = False, shapes_guarded: bool = False) -> Report:
     """Fuse every legal GEMM-epilogue region of `gm`, in graph order. Returns what was done and not done.
 
     `training`: the graph will be differentiated, so each region becomes ``gemm_epilogue_train``, which keeps
-    its GEMM output for the backward; else ``gemm_epilogue``, whose epilogue runs in place.
+    its GEMM output for the backward; else ``gemm_epilogue``, whose epilogue runs in place. `shapes_guarded`: the
+    graph runs only for inputs of the ranks it was made for (Dynamo's guards), so it needs no rank checks.
     """
     report = Report()
     canon = canonicalize(gm)
@@ -220,7 +238,7 @@ def fuse_graph(gm: fx.GraphModule, where: str = "", training: bool = False) -> R
         if region is None:
             continue
         replaced = [m.name for m in sorted(region.members, key=facts.position.get)]
-        fused = _replace(gm, region, facts.position, training)
+        fused = _replace(gm, region, facts.position, training, shapes_guarded)
         facts.replaced[region.output] = fused
         logger.info("fused %s at %s: %s", ", ".join(replaced), location, region.program)
         report.fused.append(FusedRow(f"{location} ({anchor.name})", replaced, str(region.program), fused.name,

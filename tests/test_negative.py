@@ -1297,6 +1297,33 @@ def test_a_forward_that_appends_to_its_models_list_is_not_traced():
     assert len(model.acts) == 1 and isinstance(model.acts[0], torch.Tensor)
 
 
+@pytest.mark.parametrize("forward, traced_rank", [
+    (lambda m, x, y: F.instance_norm(m.fc(x)), 3),                  # normalizes over the spatial dims
+    (lambda m, x, y: F.group_norm(m.fc(x), 4), 2),                  # channels are dim 1
+    (lambda m, x, y: torch.softmax(m.fc(x), dim=1), 2),             # dim 1 is the features of a 2-D value only
+], ids=["instance_norm", "group_norm", "softmax over dim 1"])
+def test_a_program_that_holds_for_one_rank_raises_for_another(forward, traced_rank):
+    """The fx trace proves the rank from the example inputs and guards nothing: a 4-D input to an instance_norm
+    traced on 3-D ones gave layer_norm's result over the last dim (eager normalizes over the last two)."""
+    model = GemmThen(forward).eval()
+    example = torch.randn(*([2] * (traced_rank - 1)), IN)
+    optimized = fxfuse.optimize(model, (example,))
+    assert fused_op_count(optimized) == 1
+    with torch.no_grad():
+        assert_close_report(optimized(example), model(example))
+        with pytest.raises(RuntimeError, match=f"optimized for a {traced_rank}-D input"):
+            optimized(torch.randn(*([2] * traced_rank), IN))
+
+
+def test_a_weight_given_to_forward_must_stay_a_matrix():
+    """`x @ w` with w a forward argument: a 3-D w makes eager's matmul batched; the fused op takes one matrix."""
+    model = GemmThen(lambda m, x, y: torch.relu(x @ y)).eval()
+    optimized = fxfuse.optimize(model, (rows(), torch.randn(IN, OUT)))
+    assert fused_op_count(optimized) == 1
+    with pytest.raises(RuntimeError, match="optimized for a 2-D weight"):
+        optimized(torch.randn(2, BATCH, IN), torch.randn(2, IN, OUT))
+
+
 def test_a_model_left_unfused_is_a_copy_whose_registrations_leave_the_model_alone():
     model = nn.Sequential(nn.Linear(IN, OUT)).eval()
     optimized = fxfuse.optimize(model, (rows(),))

@@ -128,6 +128,18 @@ def test_roundtrip_keeps_the_models_own_hooks(roundtrip):
         assert_close_report(restored(x), model(x))
 
 
+@pytest.mark.parametrize("roundtrip", [roundtrip_deepcopy, roundtrip_pickle, roundtrip_torch_save],
+                         ids=["deepcopy", "pickle", "torch.save"])
+def test_roundtrip_keeps_the_graphs_checks(roundtrip):
+    """Unpickling traces the forward's code again, which ran each require_settings call once, at load, and dropped
+    it: a changed eps then went unnoticed."""
+    _, optimized = optimized_block()
+    restored = roundtrip(optimized)
+    restored.get_submodule("norm").eps = 0.5
+    with pytest.raises(RuntimeError, match="`norm`.eps was 1e-05 when it was fused"):
+        restored(torch.randn(5, 24))
+
+
 def test_state_dict_saved_from_the_optimized_module_loads_into_a_fresh_model():
     model, optimized = optimized_block()
     buffer = io.BytesIO()
