@@ -274,10 +274,8 @@ def _binary(op: str, fns, methods, inplace_ops, signature="(input, other, alpha=
         alpha = a.get("alpha", 1)
         if isinstance(alpha, bool):
             raise NotFusible(f"{op} with a boolean alpha (eager raises for a float result)")
-        if alpha != 1:
-            if not isinstance(right, (int, float)):
-                raise NotFusible(f"{op} with alpha={alpha} and a tensor operand")
-            right = right * alpha
+        if alpha != 1:  # eager rounds `other` to the tensor's dtype, then scales it: no one number says that
+            raise NotFusible(f"{op} with alpha={alpha}")
         if a.get("rounding_mode") is not None:
             raise NotFusible(f"div with rounding_mode={a['rounding_mode']!r}")
         if not any(isinstance(o, fx.Node) for o in (left, right)):

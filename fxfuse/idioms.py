@@ -42,14 +42,16 @@ class Idiom:
     scalar_inputs: dict[fx.Node, str]  # placeholders standing for numbers -> the attribute they become
     canon: dict[fx.Node, Canonical]
     depth: int                    # longest operand path from the root to an input
+    dtypes: tuple | None = None   # the value dtypes it is exact for (known from example inputs); None: every one
 
 
 IDIOMS: list[Idiom] = []
 
 
-def idiom(op: str, **attrs):
+def idiom(op: str, dtypes: tuple | None = None, **attrs):
     """Declare that the decorated function spells canonical op `op` (with fixed `attrs`: attributes, or
-    operands the function has no parameter for).
+    operands the function has no parameter for). `dtypes`: where the spelled-out formula equals the op only for
+    some dtypes (its intermediates overflow in fp16), those; it then applies only where example inputs show one.
 
     >>> @idiom("silu")
     ... def silu_spelled_out(x):
@@ -57,7 +59,7 @@ def idiom(op: str, **attrs):
     """
 
     def declare(function):
-        IDIOMS.append(_build(op, attrs, function))
+        IDIOMS.append(_build(op, attrs, function, dtypes))
         return function
 
     return declare
@@ -100,7 +102,7 @@ def _dag(nodes, canon, leave_out=()) -> nx.DiGraph:
     return graph
 
 
-def _build(op: str, attrs: dict, function: Callable) -> Idiom:
+def _build(op: str, attrs: dict, function: Callable, dtypes: tuple | None = None) -> Idiom:
     if op not in EPILOGUE_OPS:
         raise ValueError(f"idiom {function.__name__}: {op!r} is not an epilogue op ({', '.join(sorted(EPILOGUE_OPS))})")
     spec = EPILOGUE_OPS[op]
@@ -128,7 +130,7 @@ def _build(op: str, attrs: dict, function: Callable) -> Idiom:
     if len(tensors) + len(fixed) != len(operand_names):
         raise TypeError(f"idiom {function.__name__}: {op} takes operands {operand_names}; give each a positional "
                         f"parameter or a fixed value")
-    return Idiom(op, attrs, fixed, function, graph, root, tensors, scalars, canon, depth)
+    return Idiom(op, attrs, fixed, function, graph, root, tensors, scalars, canon, depth, dtypes)
 
 
 def _same_number(a, b) -> bool:
@@ -168,6 +170,7 @@ def _pairs_agree(pairs, mapping, idiom: Idiom, captured: dict) -> bool:
         if isinstance(p, fx.Node) and p in idiom.scalar_inputs:
             if isinstance(m, bool) or not isinstance(m, (int, float)):
                 return False
+            m = int(m) if isinstance(m, int) else float(m)  # NumPy's numbers as Python's
             name = idiom.scalar_inputs[p]
             if name in captured and not _same_number(captured[name], m):
                 return False
@@ -213,6 +216,16 @@ def _find(idiom: Idiom, root: fx.Node, canon) -> tuple[dict, dict] | None:
     return None
 
 
+def _value_dtype(node: fx.Node):
+    """The dtype of a node's value where example inputs (or Dynamo) recorded it; else None."""
+    for key in ("val", "example_value"):
+        value = node.meta.get(key)
+        if hasattr(value, "dtype"):
+            return value.dtype
+    meta = node.meta.get("tensor_meta")
+    return getattr(meta, "dtype", None)
+
+
 def apply_idioms(gm: fx.GraphModule, canon: dict[fx.Node, Canonical]) -> None:
     """Record each idiom found in `gm` as one canonical op at its root, covering its interior nodes."""
     from . import patterns  # noqa: F401  (registers the built-in idioms)
@@ -222,6 +235,10 @@ def apply_idioms(gm: fx.GraphModule, canon: dict[fx.Node, Canonical]) -> None:
         by_root_label.setdefault(_label(known.root, known.canon), []).append(known)
     for node in list(gm.graph.nodes):
         for candidate in by_root_label.get(_label(node, canon), ()):
+            if candidate.dtypes is not None and _value_dtype(node) not in candidate.dtypes:
+                logger.debug("idiom %s at %s: exact for %s only, and the dtype is %s", candidate.op, node.name,
+                             candidate.dtypes, _value_dtype(node) or "unknown")
+                continue
             found = _find(candidate, node, canon)
             if found is None:
                 continue

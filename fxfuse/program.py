@@ -49,7 +49,9 @@ def format_literal(value: Any) -> str:
     if isinstance(value, str):
         return "'" + value + "'"
     if isinstance(value, float):
-        return repr(value)  # round-trips exactly; 'inf', '-inf' and 'nan' included
+        return repr(float(value))  # round-trips exactly; 'inf', '-inf' and 'nan' included (NumPy's floats as Python's)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(int(value))
     return str(value)
 
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import fxfuse
 from epilogue_models import BATCH, IN, GemmThen, assert_whole_chain_fused, fused_programs
 from fxfuse import idioms
+from fxfuse.testing import assert_close_report
 
 
 @pytest.fixture
@@ -195,3 +196,36 @@ def test_an_idiom_rooted_at_an_in_place_op_keeps_its_mutation_in_sight():
     model, x, b = Model().eval(), torch.randn(BATCH, IN), torch.randn(8)
     with torch.no_grad():
         fxfuse.testing.assert_close_report(torch.compile(model, backend="fxfuse")(x, b.clone()), model(x, b.clone()))
+
+
+@pytest.mark.parametrize("spelled, scale", [
+    (lambda h: h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6), 300.0),  # pow(2) overflows past 256
+    (lambda h: h * F.relu6(h + 3.0) / 6.0, 20000.0),                             # the product past 65504
+], ids=["rms_norm", "hardswish"])
+def test_an_idiom_that_overflows_in_fp16_is_not_its_op_there(spelled, scale):
+    """Eager's fp16 spelled-out formula gives 0 or inf where rms_norm and hardswish, computing in fp32, do not:
+    those idioms apply to fp32 and bf16 values only."""
+    torch.manual_seed(0)
+    model = GemmThen(on_gemm(spelled)).half().eval()
+    with torch.no_grad():
+        model.fc.weight.mul_(scale)
+    x = torch.randn(BATCH, IN, dtype=torch.float16)
+    optimized = fxfuse.optimize(model, (x,))
+    assert not any(op in program for program in fused_programs(optimized) for op in ("rms_norm", "hardswish"))
+    with torch.no_grad():
+        expected, actual = model(x), optimized(x)
+    assert torch.equal(actual.isinf(), expected.isinf()) and (expected.isinf() | (expected == 0)).any()
+    assert_close_report(actual, expected, rtol=1e-2, atol=1e-2)
+
+
+def test_an_idiom_captures_numpy_numbers_as_pythons(scratch_idioms):
+    """A NumPy float captured raw made the program text `np.float64(-0.5)`, which the op could not parse."""
+    import numpy as np
+
+    @fxfuse.idiom("clamp")
+    def clamp_by_full_like(x, *, min, max):
+        return torch.minimum(torch.maximum(x, torch.full_like(x, min)), torch.full_like(x, max))
+
+    program = program_of(on_gemm(lambda h: torch.minimum(torch.maximum(h, torch.full_like(h, np.float64(-0.5))),
+                                                         torch.full_like(h, np.float64(0.5)))))
+    assert program == "clamp(%0,-0.5,0.5)"

@@ -287,7 +287,10 @@ def test_in_place_op_on_the_region_value_is_fused():
 
 
 NEAR_SPELLINGS = {
-    "add-alpha-with-tensor": (lambda m, x, y: torch.add(m.fc(x), y, alpha=2), "add with alpha=2 and a tensor"),
+    "add-alpha-with-tensor": (lambda m, x, y: torch.add(m.fc(x), y, alpha=2), "add with alpha=2"),
+    # eager rounds 1e6 to fp16 (inf) before scaling it by alpha: `add(%0,1.0)` was fused
+    "add-alpha-with-number": (lambda m, x, y: torch.add(m.fc(x), 1e6, alpha=1e-6), "add with alpha=1e-06"),
+    "sub-alpha-with-number": (lambda m, x, y: torch.sub(m.fc(x), 3, alpha=0.1), "sub with alpha=0.1"),
     "div-floor": (lambda m, x, y: torch.div(m.fc(x), 2.0, rounding_mode="floor"), "div with rounding_mode='floor'"),
     "clamp-by-tensor": (lambda m, x, y: torch.clamp(m.fc(x), min=y), "clamp's min is not a Python number"),
     "pow-by-tensor": (lambda m, x, y: torch.pow(m.fc(x), y), "the exponent is not a Python number"),

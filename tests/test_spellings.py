@@ -199,7 +199,6 @@ POINTWISE = [
     case("int+x", "add", lambda m, x, y: 2 + m.fc(x)),
     case("torch.add", "add", lambda m, x, y: torch.add(m.fc(x), m.b), b=vector()),
     case("torch.add-kw", "add", lambda m, x, y: torch.add(input=m.fc(x), other=m.b), b=vector()),
-    case("torch.add-alpha-scalar", "add", lambda m, x, y: torch.add(m.fc(x), 0.5, alpha=3)),
     case("Tensor.add", "add", lambda m, x, y: m.fc(x).add(m.b), b=vector()),
     case("Tensor.add_", "add", lambda m, x, y: m.fc(x).add_(m.b), b=vector()),
     case("x+=param", "add", inplace_add, b=vector()),
