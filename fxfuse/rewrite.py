@@ -202,13 +202,26 @@ def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool,
     return fused
 
 
+def _dims_in_range(c) -> bool:
+    """Whether an op's `dim` fits its input's rank (fake tensors let `h.softmax(5)` of a 2-D h through)."""
+    dim, operand = c.attrs.get("dim"), c.operands[0] if c.operands else None
+    value = operand.meta.get("val", operand.meta.get("example_value")) if isinstance(operand, fx.Node) else None
+    if not isinstance(dim, int) or not isinstance(value, torch.Tensor):
+        return dim is None
+    return -max(value.dim(), 1) <= dim < max(value.dim(), 1)
+
+
 def _drop_unused_epilogue_ops(gm: fx.GraphModule, canon: dict) -> None:
     """Epilogue ops whose values nothing reads (`aux = h + self.b`, never used) go: they change nothing eager
-    returns, and a region that took them in would give their params zero gradients where eager gives none."""
+    returns, and a region that took them in would give their params zero gradients where eager gives none. Only
+    those that ran on the example inputs (or Dynamo's) without raising: one eager raises for (`h + b` with b of
+    another width, `F.layer_norm(h, (13,))`) must stay to raise."""
     covered = {n for c in canon.values() for n in c.covers}  # stand-ins of another op (max's unused indices)
     for node in reversed(list(gm.graph.nodes)):
         c = canon.get(node)
         if c is None or node.users or node in covered or c.problem or c.inplace_of is not None or c.op == LINEAR:
+            continue
+        if not any(key in node.meta for key in ("val", "example_value", "tensor_meta")) or not _dims_in_range(c):
             continue
         gm.graph.erase_node(node)
         del canon[node]

@@ -979,6 +979,27 @@ def test_an_unused_epilogue_op_leaves_its_params_without_a_gradient():
     assert model.aux_bias.grad is None and model.fc.weight.grad is not None
 
 
+@pytest.mark.parametrize("unused", [
+    lambda m, h: h + torch.ones(OUT + 1),            # another width: eager raises
+    lambda m, h: F.layer_norm(h, (OUT + 1,)),
+    lambda m, h: h.softmax(5),                       # no dim 5
+], ids=["add", "layer_norm", "softmax"])
+@pytest.mark.parametrize("with_example_inputs", [True, False])
+def test_an_unused_op_that_eager_raises_for_still_raises(unused, with_example_inputs):
+    """An unused epilogue op is dropped only where it ran on the example inputs: one that raises was dropped, and
+    the optimized model returned a result."""
+    def forward(m, x, y):
+        h = m.fc(x)
+        unused(m, h)
+        return torch.relu(h)
+
+    model = GemmThen(forward).eval()
+    optimized = fxfuse.optimize(model, (rows(), None) if with_example_inputs else None)
+    for candidate in (model, optimized):
+        with pytest.raises((RuntimeError, IndexError)):
+            candidate(rows(), None)
+
+
 # ---------------------------------------------------------------- spellings whose settings or effects matter (review)
 
 def test_relu6_module_computes_with_its_own_bounds():
