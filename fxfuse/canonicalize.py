@@ -414,11 +414,31 @@ def _dtype_needed(dtype) -> dict:
     return {"dtype_needed": dtype}
 
 
+def _int_argument(value, what: str) -> int:
+    """An int argument as eager's parser takes it (NumPy's ints too): a bool or a float raises there
+    (`F.softmax(h, 1.0)`)."""
+    if isinstance(value, fx.Node):
+        raise NotFusible(f"{what} is computed at run time")
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise NotFusible(f"{what} is {type(value).__name__}, not int (eager raises)") from None
+
+
+def _bool_argument(value, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise NotFusible(f"{what} is {type(value).__name__}, not bool (eager raises)")
+    return value
+
+
 def _softmax_like(op):
     def handler(a, inplace):
         if a["dim"] is None:
             raise NotFusible(f"{op} without an explicit dim")
-        return Canonical(op, (a["input"],), {"dim": int(a["dim"]), **_dtype_needed(a["dtype"])})
+        return Canonical(op, (a["input"],), {"dim": _int_argument(a["dim"], f"{op}'s dim"),
+                                             **_dtype_needed(a["dtype"])})
 
     # F.softmax has a `_stacklevel` before dtype; torch.softmax, torch.special.softmax and the method do not
     # (`torch.softmax(h, -1, torch.float64)` passes the dtype by position).
@@ -438,15 +458,16 @@ def _single_dim(dim, op):
         if len(dim) != 1:
             raise NotFusible(f"{op} over {len(dim) or 'all'} dims, not the features alone")
         dim = dim[0]
-    if not isinstance(dim, int):
+    if dim is None or dim == ():
         raise NotFusible(f"{op} without a dim reduces the whole tensor")
-    return dim
+    return _int_argument(dim, f"{op}'s dim")
 
 
 def _reduction(op, fns, methods, signature="(input, dim=None, keepdim=False, *, dtype=None)"):
     @spelling(signature, functions=fns, methods=methods)
     def handler(a, inplace):
-        attrs = {"dim": _single_dim(a["dim"], op), "keepdim": bool(a["keepdim"]), **_dtype_needed(a.get("dtype"))}
+        attrs = {"dim": _single_dim(a["dim"], op), "keepdim": _bool_argument(a["keepdim"], f"{op}'s keepdim"),
+                 **_dtype_needed(a.get("dtype"))}
         return Canonical(op, (a["input"],), attrs)
     return handler
 
@@ -487,8 +508,9 @@ def _values_of(node: fx.Node) -> Canonical | None:
     bound.apply_defaults()
     a = bound.arguments
     # A problem is told at this node: it covers `source`, so matching reaches it through `source`.
-    if not isinstance(a["dim"], int):
-        return Canonical(_VALUES_OF[name], (a["input"],), {}, problem=f"{name} without an int dim", covers=(source,))
+    if isinstance(a["dim"], bool) or not isinstance(a["dim"], int) or not isinstance(a["keepdim"], bool):
+        return Canonical(_VALUES_OF[name], (a["input"],), {}, problem=f"{name} without an int dim and a bool keepdim",
+                         covers=(source,))
     # `values, _ = torch.max(h, 1)` also makes an indices node that nothing reads: the reduction stands for it.
     others = [user for user in source.users if user is not node]
     unread = [user for user in others if user.op == "call_function" and not user.users
@@ -496,7 +518,7 @@ def _values_of(node: fx.Node) -> Canonical | None:
     if len(unread) != len(others):
         return Canonical(_VALUES_OF[name], (a["input"],), {},
                          problem=f"the indices of `{source.name}` are used too", covers=(source,))
-    return Canonical(_VALUES_OF[name], (a["input"],), {"dim": a["dim"], "keepdim": bool(a["keepdim"])},
+    return Canonical(_VALUES_OF[name], (a["input"],), {"dim": a["dim"], "keepdim": a["keepdim"]},
                      covers=(source, *unread))
 
 

@@ -171,6 +171,8 @@ class _Growth:
         self.value: dict[fx.Node, int] = {}     # fx node -> program value index
         self.rank: dict[int, int | None] = {}   # value index -> rank, when known
         self.reduced: set[int] = set()          # values that are one number per row
+        self.dropped: set[int] = set()          # reduced values without the features dim (keepdim=False)
+        self.min_rank: dict[int, int] = {}      # value index -> the least rank it can have (a GEMM output: 2)
         # (x's rank that an admitted op's meaning depends on, the member count before that op)
         self.x_rank: tuple[int, int] | None = None
         self.instructions: list[Instruction] = []
@@ -249,12 +251,15 @@ class _Growth:
         self.add_member(self.anchor, c)
         self.value[self.anchor] = 0
         self.rank[0] = None if x_tensor is None else x_tensor.dim()
+        self.min_rank[0] = self.rank[0] or 2
         addmm_bias = self.facts.resolve(c.attrs.get("addmm_bias"))
         if addmm_bias is not None:  # addmm's input broadcasts like an added tensor
             problem = self.outside_operand_problem(addmm_bias, self.dtype)
             if problem:
                 return problem
             bias_tensor = self.facts.tensor(addmm_bias)
+            if bias_tensor is not None and bias_tensor.dim() > 2:
+                return f"addmm's input {describe(addmm_bias)} has {bias_tensor.dim()} dims, not 2 or less (eager raises)"
             if bias_tensor is not None and tuple(bias_tensor.shape) == (self.features,):
                 self.bias = addmm_bias  # linear's own bias: the GEMM's, cast with it under autocast as addmm's is
             else:
@@ -266,13 +271,18 @@ class _Growth:
             self.members.append(member)
             self.member_set.add(member)
 
-    def emit(self, node, op, operands, attrs, rank, reduced=False):
+    def emit(self, node, op, operands, attrs, rank, reduced=False, dropped=False, drops_dim=False):
         self.instructions.append(Instruction(op, tuple(operands), tuple(attrs)))
         index = len(self.instructions)
         self.value[node] = index
         self.rank[index] = rank
+        least = max([self.min_rank[o.index] for o in operands if isinstance(o, Value)] +
+                    [self.facts.rank(self.params[o.index]) or 0 for o in operands if isinstance(o, Param)])
+        self.min_rank[index] = rank if rank is not None else least - drops_dim
         if reduced:
             self.reduced.add(index)
+        if dropped:
+            self.dropped.add(index)
 
     def mode_switch_before(self, node: fx.Node) -> fx.Node | None:
         """The first node that switches autocast or grad mode after the GEMM and before `node`, if any."""
@@ -340,7 +350,10 @@ class _Growth:
         self.add_member(node, c)
         # A pointwise op is one number per row only if all its region operands are: `h * h.sum(-1, keepdim=True)`
         # broadcasts the reduced value back onto full rows.
-        self.emit(node, c.op, operands, attrs, rank, reduced=reduces or all(v.index in self.reduced for v in values))
+        drops_dim = reduces and not c.attrs["keepdim"]
+        dropped = drops_dim if reduces else all(v.index in self.dropped for v in values)
+        self.emit(node, c.op, operands, attrs, rank, reduced=reduces or all(v.index in self.reduced for v in values),
+                  dropped=dropped, drops_dim=drops_dim)
         return None
 
     def in_place_problem(self, node: fx.Node, mutated: fx.Node, operands) -> str | None:
@@ -361,16 +374,24 @@ class _Growth:
                     return (f"in-place {describe(node)}: without example inputs, "
                             f"{describe(self.params[operand.index])} might change the mutated value's shape or dtype")
                 shape = tuple(tensor.shape)
+                target_rank = self.rank.get(target) or self.min_rank[target]  # known, or the least it can be
                 if any(d != 1 for d in shape[:-1]) or (shape and shape[-1] not in (1, self.features)) or \
-                        (shape and shape[-1] != 1 and target in self.reduced):
+                        (shape and shape[-1] != 1 and target in self.reduced) or len(shape) > target_rank:
                     return (f"in-place {describe(node)} would broadcast {describe(self.params[operand.index])} of "
                             f"shape {shape} beyond the mutated value (eager raises)")
             elif isinstance(operand, Value) and operand.index != target:
                 if operand.index not in self.reduced and target in self.reduced:
                     return f"in-place {describe(node)} would broadcast a full row into a reduced value (eager raises)"
+                if (operand.index in self.dropped) != (target in self.dropped):  # (M,) and (M, 1) make (M, M)
+                    return (f"in-place {describe(node)} would broadcast a value reduced with keepdim="
+                            f"{operand.index not in self.dropped} into one reduced with keepdim="
+                            f"{target not in self.dropped} (eager raises)")
                 rank, target_rank = self.rank.get(operand.index), self.rank.get(target)
                 if rank is not None and target_rank is not None and rank > target_rank:
                     return f"in-place {describe(node)} would broadcast a {rank}-D value into a {target_rank}-D one"
+                if target_rank is None and self.min_rank[operand.index] > self.min_rank[target]:  # h.mul_(h + b3d)
+                    return (f"in-place {describe(node)}: its operand has {self.min_rank[operand.index]} dims or more, "
+                            "the mutated value may have fewer (pass example inputs)")
         return None
 
     def result_rank(self, operands) -> int | None:
@@ -450,7 +471,9 @@ class _Growth:
         del self.params[n_params:]
         for index in [i for i in self.rank if i > n_instructions]:
             del self.rank[index]
+            self.min_rank.pop(index, None)
             self.reduced.discard(index)
+            self.dropped.discard(index)
         if self.x_rank is not None and self.x_rank[1] >= n_members:
             self.x_rank = None
 

@@ -624,6 +624,21 @@ EAGER_ERRORS = {
     "in-place-mul-by-a-bigger-tensor": (lambda m, x, y: m.fc(x).mul_(torch.ones(3, 1, OUT)), RuntimeError),
     "in-place-mul-of-a-reduced-value": (lambda m, x, y: (lambda h: h.sum(-1, keepdim=True).mul_(h))(m.fc(x)),
                                         RuntimeError),
+    # ... and not a dim bigger: shapes are lost to the very op that raises, so ranks are all the matcher has
+    "in-place-add-of-a-3-D-param": (lambda m, x, y: m.fc(x).add_(torch.ones(1, 1, OUT)), RuntimeError),
+    "in-place-mul-by-a-value-of-a-3-D-param": (lambda m, x, y: (lambda h: h.mul_(h + torch.ones(1, 1, OUT)))(m.fc(x)),
+                                               RuntimeError),
+    "in-place-add-of-keepdim-into-a-dropped-dim": (
+        lambda m, x, y: (lambda h: h.sum(-1).add_(h.mean(-1, keepdim=True)))(m.fc(x)), RuntimeError),
+    "in-place-mul-of-a-dropped-dim-by-a-2-D-param": (lambda m, x, y: m.fc(x).sum(-1).mul_(torch.ones(1, 1)),
+                                                     RuntimeError),
+    "addmm-with-a-3-D-input": (lambda m, x, y: torch.relu(torch.addmm(torch.ones(1, BATCH, OUT), x, m.fc.weight.t())),
+                               RuntimeError),
+    # eager's parser takes no float or bool for an int, nor an int for a bool
+    "softmax-over-a-float-dim": (lambda m, x, y: F.softmax(m.fc(x), 1.0), TypeError),
+    "log_softmax-over-a-bool-dim": (lambda m, x, y: m.fc(x).log_softmax(True), TypeError),
+    "sum-with-an-int-keepdim": (lambda m, x, y: m.fc(x).sum(1, 1), TypeError),
+    "max-with-an-int-keepdim": (lambda m, x, y: m.fc(x).max(1, 1)[0], TypeError),
 }
 
 
