@@ -516,10 +516,22 @@ def _values_of(node: fx.Node) -> Canonical | None:
     unread = [user for user in others if user.op == "call_function" and not user.users
               and user.target in (operator.getitem, builtins.getattr)]
     if len(unread) != len(others):
-        return Canonical(_VALUES_OF[name], (a["input"],), {},
-                         problem=f"the indices of `{source.name}` are used too", covers=(source,))
+        return Canonical(_VALUES_OF[name], (a["input"],), {}, problem=_other_readers(source, others), covers=(source,))
     return Canonical(_VALUES_OF[name], (a["input"],), {"dim": a["dim"], "keepdim": a["keepdim"]},
                      covers=(source, *unread))
+
+
+def _other_readers(source: fx.Node, others: list[fx.Node]) -> str:
+    """What else reads a torch.max / torch.min result than the `[0]` being fused, for explain()."""
+    def reads(user, keys):
+        return user.op == "call_function" and user.target in (operator.getitem, builtins.getattr) and \
+            len(user.args) > 1 and user.args[1] in keys
+
+    if any(reads(user, (1, "indices")) for user in others):
+        return f"the indices of `{source.name}` are used too"
+    if all(reads(user, (0, "values")) for user in others):
+        return f"the values of `{source.name}` are read twice"
+    return f"`{source.name}` itself is used too, not only its values"
 
 
 def _reduction_name(node: fx.Node) -> str | None:

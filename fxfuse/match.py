@@ -216,8 +216,11 @@ class _Growth:
                 return f"cannot prove that {describe(operand)} is a tensor without example inputs"
         tensor = self.facts.tensor(operand)
         if tensor is not None and tensor.dtype != dtype:
-            return (f"operand {describe(operand)} is {_dtype_name(tensor.dtype)} while the GEMM is "
-                    f"{_dtype_name(dtype)} (eager would promote the result)")
+            value = torch.empty(0, dtype=dtype, device="meta")
+            promoted = torch.result_type(value, torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")) != dtype
+            effect = "eager would promote the result" if promoted else "the fused op takes params in the GEMM's dtype only"
+            return f"operand {describe(operand)} is {_dtype_name(tensor.dtype)} while the GEMM is {_dtype_name(dtype)} " \
+                   f"({effect})"
         return None
 
     # -- admission
@@ -377,8 +380,8 @@ class _Growth:
                 target_rank = self.rank.get(target) or self.min_rank[target]  # known, or the least it can be
                 if any(d != 1 for d in shape[:-1]) or (shape and shape[-1] not in (1, self.features)) or \
                         (shape and shape[-1] != 1 and target in self.reduced) or len(shape) > target_rank:
-                    return (f"in-place {describe(node)} would broadcast {describe(self.params[operand.index])} of "
-                            f"shape {shape} beyond the mutated value (eager raises)")
+                    return (f"in-place {describe(node)} may broadcast {describe(self.params[operand.index])} of "
+                            f"shape {shape} beyond the mutated value, which eager raises for (its shape is unknown)")
             elif isinstance(operand, Value) and operand.index != target:
                 if operand.index not in self.reduced and target in self.reduced:
                     return f"in-place {describe(node)} would broadcast a full row into a reduced value (eager raises)"

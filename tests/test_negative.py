@@ -201,6 +201,26 @@ def test_min_whose_indices_are_used_too():
     assert_not_fused(model, (rows(),), reason="the indices of `min_1` are used too")
 
 
+def test_max_whose_values_are_read_twice_says_so():
+    """explain() said the indices were used."""
+    model = GemmThen(lambda m, x, y: (lambda r: r[0] + r.values)(torch.max(m.fc(x), 1)))
+    assert_not_fused(model, (rows(),), reason="the values of `max_1` are read twice")
+
+
+@pytest.mark.parametrize("operand, promotes", [
+    (torch.tensor(2, dtype=torch.int64), False),          # a 0-d tensor of another kind promotes nothing
+    (torch.tensor(2.0, dtype=torch.float64), False),
+    (torch.ones(OUT, dtype=torch.bool), False),
+    (torch.ones(OUT, dtype=torch.float64), True),         # a float64 vector makes the result float64
+], ids=["int64 0-d", "float64 0-d", "bool vector", "float64 vector"])
+def test_an_operand_of_another_dtype_says_whether_eager_promotes(operand, promotes):
+    """explain() said every such operand would promote the result."""
+    model = GemmThen(lambda m, x, y: m.fc(x) * m.s, s=operand)
+    optimized = assert_not_fused(model, (rows(),))
+    effect = "eager would promote the result" if promotes else "the fused op takes params in the GEMM's dtype only"
+    assert_reason(optimized, f"while the GEMM is float32 ({effect})")
+
+
 # ---------------------------------------------------------------- dtypes
 
 
