@@ -218,9 +218,10 @@ class _Growth:
         if tensor is not None and tensor.dtype != dtype:
             value = torch.empty(0, dtype=dtype, device="meta")
             promoted = torch.result_type(value, torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")) != dtype
-            effect = "eager would promote the result" if promoted else "the fused op takes params in the GEMM's dtype only"
-            return f"operand {describe(operand)} is {_dtype_name(tensor.dtype)} while the GEMM is {_dtype_name(dtype)} " \
-                   f"({effect})"
+            effect = ("eager would promote the result" if promoted
+                      else "the fused op takes params in the GEMM's dtype only")
+            return (f"operand {describe(operand)} is {_dtype_name(tensor.dtype)} while the GEMM is "
+                    f"{_dtype_name(dtype)} ({effect})")
         return None
 
     # -- admission
@@ -262,7 +263,8 @@ class _Growth:
                 return problem
             bias_tensor = self.facts.tensor(addmm_bias)
             if bias_tensor is not None and bias_tensor.dim() > 2:
-                return f"addmm's input {describe(addmm_bias)} has {bias_tensor.dim()} dims, not 2 or less (eager raises)"
+                return (f"addmm's input {describe(addmm_bias)} has {bias_tensor.dim()} dims, not 2 or less "
+                        "(eager raises)")
             if bias_tensor is not None and tuple(bias_tensor.shape) == (self.features,):
                 self.bias = addmm_bias  # linear's own bias: the GEMM's, cast with it under autocast as addmm's is
             else:
