@@ -23,7 +23,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .report import MissRow, Report
-from .canonicalize import hooks_of, signatures_of
+from .canonicalize import augmented_assignment, hooks_of, signatures_of
 from .rewrite import GRAPH_HELPERS, fuse_graph
 
 logger = logging.getLogger("fxfuse")
@@ -163,19 +163,19 @@ def _mode_dependent_call(graph: fx.Graph, modes: set[bool]) -> fx.Node | None:
 
 
 class _Proxy(fx.Proxy):
-    """fx's Proxy, with Python's augmented assignments recorded as the in-place ops they are: fx's own falls back
-    to `t = t + b`, so `t += b` in a helper left the caller's tensor unchanged in the graph."""
+    """fx's Proxy, with Python's augmented assignments recorded as what they are (canonicalize's
+    augmented_assignment): fx's own falls back to `t = t + b`, so `t += b` in a helper left the caller's tensor
+    unchanged in the graph."""
 
 
 def _recorded_in_place(function):
     def method(self, other):
-        return self.tracer.create_proxy("call_function", function, (self, other), {})
+        return self.tracer.create_proxy("call_function", augmented_assignment, (function.__name__, self, other), {})
     return method
 
 
 for _function in (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
-                  operator.ipow, operator.imatmul, operator.iand, operator.ior, operator.ixor, operator.ilshift,
-                  operator.irshift):
+                  operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift):
     setattr(_Proxy, f"__{_function.__name__}__", _recorded_in_place(_function))
 
 

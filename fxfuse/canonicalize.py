@@ -54,6 +54,7 @@ class Canonical:
     inplace_of: Any = None                    # the tensor an in-place spelling mutates
     covers: tuple = ()                        # further fx nodes this canonical op stands for
     problem: str | None = None                # recognised, but not fusible: the reason
+    dtypes: tuple | None = None               # an idiom's: the dtypes its spelling is the op in (None: all)
 
 
 class NotFusible(Exception):
@@ -725,6 +726,39 @@ def _from_numpy_keywords(kwargs: dict, sig: inspect.Signature) -> dict:
     return {name(key): value for key, value in kwargs.items()}
 
 
+def augmented_assignment(operator_name: str, target, value):
+    """What optimize()'s trace records for `target += value` (any augmented assignment; `operator_name` is the
+    operator module's, "iadd"): the in-place operator applied, without rebinding the names of `target` in the
+    graph's code (fx writes operator.iadd as `a += b`, which rebinds an int, where eager leaves every other name of
+    it alone)."""
+    return getattr(operator, operator_name)(target, value)
+
+
+_NOT_TENSOR_METHODS = {"size", "dim", "numel", "item", "tolist", "stride", "element_size", "nelement"}
+_NOT_TENSOR_ATTRIBUTES = {"shape", "ndim", "dtype", "device", "is_cuda", "requires_grad"}
+
+
+def surely_not_tensor(obj) -> bool:
+    """Whether a graph value is no tensor: a number, a recorded value that is none, or what tensors' size
+    methods and attributes give and arithmetic of those (`n = x.shape[0]; n *= 2`)."""
+    if not isinstance(obj, fx.Node):
+        return not isinstance(obj, torch.Tensor)
+    for key in ("val", "example_value"):
+        if key in obj.meta:
+            return not isinstance(obj.meta[key], torch.Tensor)
+    if obj.op == "call_method":
+        return obj.target in _NOT_TENSOR_METHODS
+    if obj.op == "call_function" and obj.target is builtins.getattr:
+        return obj.args[1] in _NOT_TENSOR_ATTRIBUTES
+    if obj.op == "call_function" and obj.target is operator.getitem:
+        return surely_not_tensor(obj.args[0]) and not isinstance(obj.args[0], (list, tuple))
+    if obj.op == "call_function" and getattr(obj.target, "__module__", None) in ("_operator", "operator"):
+        return all(surely_not_tensor(a) for a in obj.args)
+    if obj.op == "call_function" and obj.target is augmented_assignment:
+        return surely_not_tensor(obj.args[1])
+    return False
+
+
 def canonical_of(node: fx.Node, gm: fx.GraphModule) -> Canonical | None:
     """The canonical op this node spells, or None if it is no op of the vocabulary."""
     c = _spelled_op(node, gm)
@@ -753,6 +787,10 @@ def _spelled_op(node: fx.Node, gm: fx.GraphModule) -> Canonical | None:
         if values is not None:
             return values
         target, table = node.target, _FUNCTIONS
+        if target is augmented_assignment:  # the operator it applies, to its operands; nothing for `n *= 2`
+            if surely_not_tensor(args[1]):
+                return None
+            target, args = getattr(operator, args[0]), args[1:]
     elif node.op == "call_method":
         target, table = node.target, _METHODS
     else:

@@ -42,7 +42,9 @@ class Idiom:
     scalar_inputs: dict[fx.Node, str]  # placeholders standing for numbers -> the attribute they become
     canon: dict[fx.Node, Canonical]
     depth: int                    # longest operand path from the root to an input
-    dtypes: tuple | None = None   # the value dtypes it is exact for (known from example inputs); None: every one
+    # the value dtypes it is exact for (known from example inputs; optimize()'s graph checks them at each call, as
+    # autocast or .half() may change them); None: every one
+    dtypes: tuple | None = None
 
 
 IDIOMS: list[Idiom] = []
@@ -255,6 +257,7 @@ def apply_idioms(gm: fx.GraphModule, canon: dict[fx.Node, Canonical]) -> None:
                              for name in EPILOGUE_OPS[candidate.op].operands)
             root = canon.get(node)
             canon[node] = Canonical(candidate.op, operands, {**candidate.attrs, **captured}, covers=tuple(interior),
-                                    inplace_of=None if root is None else root.inplace_of)  # b *= sigmoid(b)
+                                    inplace_of=None if root is None else root.inplace_of,  # b *= sigmoid(b)
+                                    dtypes=candidate.dtypes)
             logger.debug("idiom %s found at %s", candidate.op, node.name)
             break

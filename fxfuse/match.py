@@ -22,7 +22,8 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .canonicalize import COVERED, IDENTITY, LINEAR, Attr, Canonical, signatures_of
+from .canonicalize import (COVERED, IDENTITY, LINEAR, Attr, Canonical, augmented_assignment, signatures_of,
+                           surely_not_tensor)
 from .library import FUSED_OPS
 from .epilogue import EPILOGUE_OPS, NORM, POINTWISE, REDUCTION
 from .program import Instruction, Param, Program, Value
@@ -50,6 +51,9 @@ class Region:
     # The rank of x the program holds for (group_norm's channels are dim 1 of a 2-D value, softmax(dim=1) is over
     # the features of a 2-D one): the rewritten graph checks it at every call. None: any rank.
     x_rank: int | None = None
+    # The dtypes an idiom of the program is its op in (the dtype the epilogue computes in, checked at every call
+    # of optimize()'s graph). None: any.
+    dtypes: tuple | None = None
 
 
 class Boundary(str):
@@ -79,6 +83,10 @@ class Facts:
     """What is known of a graph's tensors: module attributes always; shapes when example inputs were given."""
     gm: fx.GraphModule
     position: dict[fx.Node, int] = field(default_factory=dict)
+    # The graph will be differentiated (what a fused op keeps for its backward matters), and its inputs' ranks and
+    # aliasing are guarded, as Dynamo guards them (its example values then tell which inputs share memory).
+    training: bool = False
+    inputs_guarded: bool = False
     # Region outputs already replaced by a fused node: canonical records made before still name the old node.
     replaced: dict[fx.Node, fx.Node] = field(default_factory=dict)
 
@@ -175,6 +183,7 @@ class _Growth:
         self.min_rank: dict[int, int] = {}      # value index -> the least rank it can have (a GEMM output: 2)
         # (x's rank that an admitted op's meaning depends on, the member count before that op)
         self.x_rank: tuple[int, int] | None = None
+        self.dtypes: list[tuple[tuple, int]] = []  # (an admitted idiom's dtypes, the member count before it)
         self.instructions: list[Instruction] = []
         self.params: list[Any] = []
         self.misses: list[NearMiss] = []
@@ -305,6 +314,10 @@ class _Growth:
             return c.problem
         if c.op == LINEAR:
             return Boundary(f"{describe(node)} is another GEMM")
+        if not node.users and c.inplace_of is None:
+            # rewrite drops such an op only where it ran on example inputs: one that eager raises for must stay,
+            # and one taken in would give its params zero gradients where eager gives none
+            return f"the value of {describe(node)} is never used (with example inputs it would be dropped)"
         switch = self.mode_switch_before(node)
         if switch is not None:  # the fused op runs where the region's last op was, under that op's modes
             what = ("grad mode" if switch.target is torch._C._set_grad_enabled
@@ -344,14 +357,16 @@ class _Growth:
             return (f"{c.op} with dtype={_dtype_name(dtype_needed)} pins its result's dtype, which the fused op "
                     "would not under autocast")
         rank = self.result_rank(operands)
-        problem = self.row_local_problem(node, c, spec, values[0].index, rank) or self.rank_dependence(node, c, spec,
-                                                                                                       rank)
+        problem = (self.row_local_problem(node, c, spec, values[0].index, rank)
+                   or self.rank_dependence(node, c, spec, rank, values[0].index))
         if problem:
             return problem
         attrs = tuple(c.attrs[name] for name in spec.attrs)
         reduces = spec.kind == REDUCTION
         if reduces and rank is not None and not c.attrs["keepdim"]:
             rank -= 1
+        if c.dtypes is not None:
+            self.dtypes.append((c.dtypes, len(self.members)))
         self.add_member(node, c)
         # A pointwise op is one number per row only if all its region operands are: `h * h.sum(-1, keepdim=True)`
         # broadcasts the reduced value back onto full rows.
@@ -408,11 +423,13 @@ class _Growth:
                 ranks.append(self.facts.rank(self.params[o.index]))
         return None if any(r is None for r in ranks) else max(ranks, default=None)
 
-    def rank_dependence(self, node, c: Canonical, spec, rank: int | None) -> str | None:
-        """Record the rank of x that `node`'s meaning depends on (it works on unreduced values, whose rank is x's):
-        group_norm and batch_norm take the features as dim 1 of a 2-D value, instance_norm takes the ranks it
-        names, an op over an explicit dim takes it as the features. At run time another rank must raise, not
-        compute what the program says. Conflicting needs make a problem."""
+    def rank_dependence(self, node, c: Canonical, spec, rank: int | None, index: int) -> str | None:
+        """Record the rank of x that `node`'s meaning depends on: group_norm and batch_norm take the features as dim
+        1 of a 2-D value, instance_norm takes the ranks it names, an op over an explicit dim takes it as the
+        features. That is x's rank where the value has it (it works on unreduced values); where a param of more
+        dims broadcast the value up, its rank follows x's only past the param's, which no check of x's rank says:
+        a problem. At run time another rank must raise, not compute what the program says. Conflicting needs make
+        a problem."""
         if c.op in ("group_norm", "batch_norm"):
             needed = 2
         elif c.attrs.get("rank_needed"):
@@ -421,6 +438,11 @@ class _Growth:
             needed = c.attrs[spec.feature_dim_attr] + 1
         else:
             return None
+        x_rank = self.rank.get(0)
+        if (rank is not None and x_rank is not None and rank != x_rank) or \
+                (x_rank is None and self.min_rank.get(index, 2) > 2):
+            return (f"{describe(node)} depends on its value's rank, which a param of more dims than the GEMM's "
+                    "input set")
         if self.x_rank is not None and self.x_rank[0] != needed:
             return (f"{describe(node)} holds for {needed}-D inputs, an earlier op of the region for "
                     f"{self.x_rank[0]}-D ones")
@@ -481,6 +503,7 @@ class _Growth:
             self.dropped.discard(index)
         if self.x_rank is not None and self.x_rank[1] >= n_members:
             self.x_rank = None
+        self.dtypes = [(dtypes, at) for dtypes, at in self.dtypes if at < n_members]
 
     # -- validity of the current prefix
 
@@ -570,11 +593,19 @@ def find_region(gm: fx.GraphModule, anchor: fx.Node, canon, facts: Facts):
     region = Region(anchor, growth.members[:n_members], output, growth.x, growth.weight, growth.transpose_weight,
                     growth.bias, growth.params[:n_params], Program(tuple(growth.instructions[:n_instructions])),
                     check_matrix=canon[anchor].attrs.get("matrix_input", False),
-                    x_rank=growth.x_rank[0] if growth.x_rank is not None and growth.x_rank[1] < n_members else None)
+                    x_rank=growth.x_rank[0] if growth.x_rank is not None and growth.x_rank[1] < n_members else None,
+                    dtypes=_common_dtypes([dtypes for dtypes, at in growth.dtypes if at < n_members]))
     problem = prove_legal(gm, region, facts) or _mutation_problem(region, canon, facts)
     if problem:
         return None, [NearMiss(anchor, anchor, problem)]
     return region, _keep_relevant(misses, growth, region)
+
+
+def _common_dtypes(each: list[tuple]) -> tuple | None:
+    """The dtypes every one of the region's idioms holds for, in the first one's order; None if none restricts."""
+    if not each:
+        return None
+    return tuple(dtype for dtype in each[0] if all(dtype in dtypes for dtypes in each[1:]))
 
 
 def _keep_relevant(misses, growth, region=None):
@@ -625,6 +656,9 @@ def _mutated_by(node: fx.Node, canon, gm: fx.GraphModule) -> list:
             in_place_name or node.target is operator.setitem or node.target in _OPERATOR_IN_PLACE):
         first = node.args[0]
         mutated.extend(first if isinstance(first, (tuple, list)) else [first])  # _foreach_*_ take lists
+    if node.op == "call_function" and node.target is augmented_assignment and \
+            getattr(operator, node.args[0]) in _OPERATOR_IN_PLACE and not surely_not_tensor(node.args[1]):
+        mutated.append(node.args[1])  # (`n *= 2` of an int changes nothing)
     if node.op == "call_function":
         mutated.extend(_written_by_schema(node))
         if _opaque(node.target):  # a Python function of the user's (torch.fx.wrap): it may change any tensor given
@@ -632,10 +666,11 @@ def _mutated_by(node: fx.Node, canon, gm: fx.GraphModule) -> list:
     return [m for m in mutated if m is not None]
 
 
-# Dynamo records `x //= 2` as operator.ifloordiv(x, 2): every augmented assignment changes a tensor in place.
+# Dynamo records `x //= 2` as operator.ifloordiv(x, 2), optimize()'s trace as augmented_assignment: every
+# augmented assignment changes a tensor in place (but `@=`: a tensor has no `__imatmul__`, eager makes a new one).
 _OPERATOR_IN_PLACE = frozenset((operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
-                                operator.imod, operator.ipow, operator.imatmul, operator.iand, operator.ior,
-                                operator.ixor, operator.ilshift, operator.irshift))
+                                operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
+                                operator.ilshift, operator.irshift))
 _PURE_MODULES = ("torch", "operator", "_operator", "builtins", "math", "fxfuse")
 
 
@@ -735,7 +770,7 @@ def _mutation_problem(region: Region, canon, facts: Facts) -> str | None:
                         return f"{describe(node)} changes {describe(base)} between the region's ops, which read it"
                     return (f"{describe(node)} changes {describe(base)} after the region, whose fused op keeps it "
                             "for its backward")
-                shared = _may_share_memory(base, nodes, paths, between)
+                shared = _may_share_memory(base, nodes, paths, between, facts)
                 if shared is not None:
                     when = "between the region's ops, which read" if between else \
                         "after the region, whose fused op keeps for its backward"
@@ -743,21 +778,50 @@ def _mutation_problem(region: Region, canon, facts: Facts) -> str | None:
     return None
 
 
-def _may_share_memory(base, nodes: set, paths: set, between: bool) -> str | None:
-    """What the region reads (`between`) or keeps that a changed tensor `base` may be, or view, at run time though
-    the graph does not show it: two graph inputs (`f(t, t)`), two module tensors (tied weights, views of one
-    buffer); between the region's ops also an input and a module tensor. Tensors the graph makes are new."""
-    if not isinstance(base, fx.Node) or base.op not in ("placeholder", "get_attr"):
+def _may_share_memory(base, nodes: set, paths: set, between: bool, facts: Facts) -> str | None:
+    """What the region reads (`between`) or keeps for its backward (in a graph that will be differentiated) that a
+    changed tensor `base`, a graph input or module tensor, may be or view at run time though the graph does not
+    show it: two graph inputs (`f(t, t)`), two module tensors (tied weights, views of one buffer); between the
+    region's ops also an input and a module tensor. Tensors the graph makes are new; tensors of different dtypes
+    are taken not to share memory (an int64 step counter, float params). Module tensors, and a guarded graph's
+    inputs (Dynamo's example values), share memory exactly where their storages are one."""
+    if not isinstance(base, fx.Node) or base.op not in ("placeholder", "get_attr") or not (between or facts.training):
         return None
-    inputs = [n for n in nodes if isinstance(n, fx.Node) and n.op == "placeholder"]
-    module_tensors = [n.target for n in nodes if isinstance(n, fx.Node) and n.op == "get_attr"] + sorted(paths)
-    if base.op == "placeholder" and inputs:
-        return describe(inputs[0])
-    if base.op == "get_attr" and module_tensors:
-        return f"`{module_tensors[0]}`"
-    if between and (inputs or module_tensors):
-        return describe(inputs[0]) if inputs else f"`{module_tensors[0]}`"
+    candidates = [n for n in nodes if isinstance(n, fx.Node) and n.op in ("placeholder", "get_attr") and n is not base]
+    candidates += [Attr(path) for path in sorted(paths)]
+    for candidate in candidates:
+        what = describe(candidate) if isinstance(candidate, fx.Node) else f"`{candidate.path}`"
+        changed, read = _storage_of(base, facts), _storage_of(candidate, facts)
+        if changed is not None and read is not None:
+            if changed[0] == read[0]:
+                return what
+            continue
+        dtypes = {getattr(t, "dtype", None) for t in (facts.tensor(base), facts.tensor(candidate))}
+        if len(dtypes) == 2 and None not in dtypes:
+            continue
+        both_inputs = base.op == "placeholder" and isinstance(candidate, fx.Node) and candidate.op == "placeholder"
+        if both_inputs or between:
+            return what
     return None
+
+
+def _storage_of(obj, facts: Facts):
+    """(The storage of a tensor whose memory is known at match time, its dtype): a module tensor's, or a guarded
+    graph input's example value's; None for anything else."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    if isinstance(obj, Attr) or obj.op == "get_attr":
+        tensor = facts.tensor(obj)  # the module's own
+    elif obj.op == "placeholder" and facts.inputs_guarded:
+        tensor = obj.meta.get("example_value", obj.meta.get("val"))
+    else:
+        return None
+    if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+        return None
+    try:
+        return StorageWeakRef(tensor.untyped_storage()), tensor.dtype
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def prove_legal(gm: fx.GraphModule, region: Region, facts: Facts) -> str | None:

@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .canonicalize import LINEAR, Attr, canonicalize, hooks_of
+from .canonicalize import LINEAR, Attr, augmented_assignment, canonicalize, hooks_of
 from .library import gemm_epilogue, gemm_epilogue_train
 from .match import Facts, Region, find_region
 from .report import FusedRow, MissRow, Report
@@ -128,6 +128,20 @@ def require_rank(tensor: torch.Tensor, rank: int, what: str) -> None:
                            "example inputs of these ranks (or use torch.compile(model, backend='fxfuse'))")
 
 
+def require_dtype(x: torch.Tensor, dtypes: tuple, ops: str) -> None:
+    """Called by optimize()'s rewritten graphs before a fused op whose program holds an idiom that is its op only in
+    some dtypes (x * relu6(x + 3) / 6 overflows in fp16 where hardswish does not): the dtype the epilogue computes
+    in now, x's or autocast's, must be one of them. (Dynamo guards dtypes and autocast itself.)"""
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    name = str(dtype).removeprefix("torch.")
+    if name not in dtypes:
+        raise RuntimeError(f"fxfuse: this part of the model was optimized for {' or '.join(dtypes)} values, in which "
+                           f"its spelled-out {ops} is that op; in {name} it is not (eager's formula overflows): run "
+                           "fxfuse.optimize() with example inputs in this dtype, or use "
+                           "torch.compile(model, backend='fxfuse')")
+
+
 def number_as_tensor(value):
     """Called by rewritten graphs for a forward argument that the matcher took for a tensor without example inputs:
     a number passed there (Python's or NumPy's) becomes a 0-d CPU tensor, which torch's ops read at full precision
@@ -143,7 +157,8 @@ def _maybe_number(node) -> bool:
 
 
 # What a rewritten graph calls beside its fused ops.
-GRAPH_HELPERS = (require_eval_mode, require_settings, require_matrix, require_rank, number_as_tensor)
+GRAPH_HELPERS = (require_eval_mode, require_settings, require_matrix, require_rank, require_dtype, number_as_tensor,
+                 augmented_assignment)
 
 
 def _copy_meta(node: fx.Node, source: fx.Node, keys) -> None:
@@ -172,6 +187,10 @@ def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool,
             graph.call_function(require_rank, (region.x, region.x_rank, "input"))
         if isinstance(region.weight, fx.Node) and region.weight.op == "placeholder" and not shapes_guarded:
             graph.call_function(require_rank, (region.weight, 2, "weight"))
+        if region.dtypes is not None and not shapes_guarded:
+            ops = " and ".join(sorted({ins.op for ins in region.program.instructions}))
+            names = tuple(str(dtype).removeprefix("torch.") for dtype in region.dtypes)
+            graph.call_function(require_dtype, (region.x, names, ops))
         weight = _tensor_node(graph, region.weight)
         if region.transpose_weight:
             weight = graph.call_function(torch.t, (weight,))
@@ -232,12 +251,13 @@ def fuse_graph(gm: fx.GraphModule, where: str = "", training: bool = False, shap
 
     `training`: the graph will be differentiated, so each region becomes ``gemm_epilogue_train``, which keeps
     its GEMM output for the backward; else ``gemm_epilogue``, whose epilogue runs in place. `shapes_guarded`: the
-    graph runs only for inputs of the ranks it was made for (Dynamo's guards), so it needs no rank checks.
+    graph runs only for inputs of the ranks and aliasing it was made for (Dynamo's guards), so it needs no rank
+    checks, and its example values tell which inputs share memory.
     """
     report = Report()
     canon = canonicalize(gm)
     _drop_unused_epilogue_ops(gm, canon)
-    facts = Facts(gm)
+    facts = Facts(gm, training=training, inputs_guarded=shapes_guarded)
     facts.position = {node: i for i, node in enumerate(gm.graph.nodes)}
     prefix = f"{where}." if where else ""
     anchors = [n for n, c in canon.items() if c.op == LINEAR and c.problem is None]

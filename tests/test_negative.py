@@ -567,6 +567,49 @@ def test_the_backend_sees_every_augmented_assignment_as_in_place(augmented):
     torch._dynamo.reset()
 
 
+def test_the_backend_tells_aliased_inputs_from_their_example_values():
+    """Dynamo guards which inputs share memory: `model(t, t)` keeps the region unfused, `model(t, u)` fuses."""
+    torch._dynamo.reset()
+    model = GemmThen(changes_y_between, in_features=OUT).eval()
+    backend = fxfuse.make_backend(inner="eager")
+    compiled = torch.compile(model, backend=backend)
+    base = rows(features=OUT)
+    with torch.no_grad():
+        expected_input, actual_input = base.clone(), base.clone()
+        assert_close_report(compiled(actual_input, actual_input), model(expected_input, expected_input))
+        assert_close_report(compiled(base.clone(), rows(features=OUT)), model(base.clone(), rows(features=OUT)))
+    assert [len(report.fused) for report in backend.reports] == [0, 1]
+    torch._dynamo.reset()
+
+
+class CountsItsCalls(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.ln = nn.Linear(IN, OUT), nn.LayerNorm(OUT)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        y = F.gelu(self.ln(self.fc(x)))
+        self.calls += 1
+        return y
+
+
+@pytest.mark.parametrize("model", [lambda: CountsItsCalls().eval(),
+                                   lambda: nn.Sequential(nn.Linear(IN, OUT), nn.GELU(), nn.BatchNorm1d(OUT)).train()],
+                         ids=["an int64 counter under no_grad", "train-mode batch norm after the region"])
+def test_a_buffer_changed_after_the_region_that_cannot_be_what_it_keeps_does_not_stop_it(model):
+    """Dynamo lifts parameters and buffers to graph inputs: every later add_ on a buffer was taken for a change of
+    what the region keeps (in an inference graph too, and between int64 and float tensors)."""
+    torch._dynamo.reset()
+    backend = fxfuse.make_backend(inner="eager")
+    model = model()
+    compiled = torch.compile(model, backend=backend)
+    with torch.set_grad_enabled(model.training):
+        compiled(rows())
+    assert sum(len(report.fused) for report in backend.reports) == 1
+    torch._dynamo.reset()
+
+
 # ---------------------------------------------------------------- scalars and dtypes as eager has them
 
 
@@ -1381,6 +1424,95 @@ def test_a_weight_given_to_forward_must_stay_a_matrix():
     assert fused_op_count(optimized) == 1
     with pytest.raises(RuntimeError, match="optimized for a 2-D weight"):
         optimized(torch.randn(2, BATCH, IN), torch.randn(2, IN, OUT))
+
+
+class RebindsOtherNames(nn.Module):
+    """`g @= w` and `n *= 2` make new objects in eager (a tensor has no `__imatmul__`; an int is immutable): the
+    other names of g and n keep their values."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.fc2 = nn.Linear(IN, OUT), nn.Linear(IN, OUT)
+        self.w = nn.Parameter(torch.randn(OUT, OUT))
+
+    def forward(self, x):
+        h = self.fc(x)
+        g, n = h, x.shape[0]
+        rows = n
+        g @= self.w
+        n *= 2
+        return (h + g + F.gelu(self.fc2(x))).reshape(rows, -1)[:, :n]
+
+
+def test_an_augmented_assignment_leaves_other_names_alone():
+    """fx writes operator.imatmul as `g @= w`, which then also changed what h named in the graph (2.995 apart)."""
+    model, x = RebindsOtherNames().eval(), rows()
+    optimized = fxfuse.optimize(model, (x,))
+    with torch.no_grad():
+        assert_close_report(optimized(x), model(x))
+
+
+class UnusedAdd(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.ln = nn.Linear(IN, OUT), nn.LayerNorm(OUT)
+        self.b = nn.Parameter(torch.randn(OUT))
+
+    def forward(self, x):
+        h = self.fc(x)
+        aux = h + self.b  # noqa: F841  (never used)
+        return F.gelu(self.ln(h))
+
+
+def test_an_unused_op_without_example_inputs_stays_out_of_the_region():
+    """Not dropped without shapes (it may raise in eager), it was taken into the region, where b got zeros for a
+    gradient (an AdamW step then changed it); eager gives None."""
+    model = UnusedAdd().train()
+    optimized = fxfuse.optimize(model)
+    assert_reason(optimized, "the value of `add` is never used")
+    optimized(rows()).sum().backward()
+    assert model.b.grad is None
+
+
+def test_an_op_over_a_dim_of_a_value_a_param_made_bigger_is_not_guarded_on_x():
+    """softmax(dim=2) of fc(x) + a 3-D param: the value is 3-D for a 2-D x; the rank check took it for x's and
+    raised on the example input itself."""
+    model = GemmThen(lambda m, x, y: F.softmax(m.fc(x) + m.p, dim=2), p=nn.Parameter(torch.randn(2, BATCH, OUT)))
+    x = rows()
+    optimized = fxfuse.optimize(model.eval(), (x,))
+    assert_reason(optimized, "depends on its value's rank, which a param of more dims")
+    with torch.no_grad():
+        assert_close_report(optimized(x), model(x))
+
+
+class SpelledOutHardswish(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        with torch.no_grad():
+            self.fc.weight.copy_(torch.eye(4))
+            self.fc.bias.zero_()
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h * F.relu6(h + 3.0) / 6.0
+
+
+def test_an_fp32_only_idiom_raises_where_the_epilogue_computes_in_fp16():
+    """Matched on fp32 example inputs, hardswish then ran under fp16 autocast (or after .half()), where eager's
+    spelled-out formula overflows to inf and the fused op gave 20000."""
+    model, x = SpelledOutHardswish().eval(), torch.tensor([[20000.0, 1.0, -1.0, 2.0]])
+    optimized = fxfuse.optimize(model, (x,))
+    assert fused_programs(optimized) == ["hardswish(%0)"]
+    with torch.no_grad():
+        assert_close_report(optimized(x), model(x))
+        with torch.autocast("cpu", dtype=torch.float16), \
+                pytest.raises(RuntimeError, match="optimized for float32 or bfloat16 values"):
+            optimized(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            optimized(x)
+        with pytest.raises(RuntimeError, match="in float16 it is not"):
+            optimized.half()(x.half())
 
 
 def test_a_model_left_unfused_is_a_copy_whose_registrations_leave_the_model_alone():
