@@ -52,6 +52,8 @@ std::string check_backward_inputs(const at::Tensor& grad_output, const at::Tenso
     return std::string("dtype ") + c10::toString(dtype);
   if (gemm_out.dim() < 2 || gemm_out.numel() == 0) return "gemm_out is empty or not [rows, features]";
   if (!gemm_out.is_contiguous()) return "gemm_out is not contiguous";
+  // the kernel copies rows in 16-byte pieces (a view such as buf[1:].view(M, N) is contiguous but not aligned)
+  if (reinterpret_cast<uintptr_t>(gemm_out.data_ptr()) % 16 != 0) return "gemm_out is not 16-byte aligned";
   if (needs_grad.size() != params.size() + 1) return "needs_grad does not match the tensors";
   std::vector<const at::Tensor*> tensors{&grad_output};
   for (const at::Tensor& p : params) tensors.push_back(&p);

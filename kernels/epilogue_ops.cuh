@@ -359,7 +359,7 @@ enum class Statistic {
 };
 
 // How the host reads a norm's attributes (which become eps and the group count).
-enum class NormAttrs { GroupsEps, Eps, EpsOrDtypeEps, Dim };
+enum class NormAttrs { GroupsEps, Eps, EpsOrFloatEps, Dim };
 
 // ---------------------------------------------------------------- norms: y = F::apply(x, s0, s1, weight, bias)
 
@@ -377,10 +377,10 @@ struct LayerNorm {
   __device__ static float apply(float x, float mean, float rstd, float w, float b) { return (x - mean) * rstd * w + b; }
 };
 
-// fxfuse/epilogue.py::rms_norm (eps None means finfo(dtype).eps)
+// fxfuse/epilogue.py::rms_norm (eps None means float32's epsilon: F.rms_norm computes bf16 and fp16 in float)
 struct RmsNorm {
   static constexpr Statistic statistic = Statistic::RootMeanSquare;
-  static constexpr NormAttrs attrs = NormAttrs::EpsOrDtypeEps;
+  static constexpr NormAttrs attrs = NormAttrs::EpsOrFloatEps;
   __device__ static float apply(float x, float, float rstd, float w, float) { return x * rstd * w; }
 };
 

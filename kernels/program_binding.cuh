@@ -37,7 +37,7 @@ struct OpInfo {
 };
 
 constexpr int norm_operands(NormAttrs a) {
-  return a == NormAttrs::Dim ? 1 : (a == NormAttrs::EpsOrDtypeEps ? 2 : 3);
+  return a == NormAttrs::Dim ? 1 : (a == NormAttrs::EpsOrFloatEps ? 2 : 3);
 }
 constexpr int norm_attr_count(NormAttrs a) { return a == NormAttrs::GroupsEps ? 2 : 1; }
 
@@ -490,10 +490,10 @@ std::string bind_phase(const Context& ctx, Binding& b, std::vector<Shape>& shape
             return "softmax over a dim other than the last" + where;
         } else if (is_number(eps)) {
           ins.attrs.a0 = static_cast<float>(eps.number);
-        } else if (eps.kind == Token::None && kind == NormAttrs::EpsOrDtypeEps) {
-          const auto dtype = ctx.x.scalar_type();
-          ins.attrs.a0 = dtype == at::kFloat ? std::numeric_limits<float>::epsilon()
-                                             : (dtype == at::kBFloat16 ? 0.0078125f : 0.0009765625f);
+        } else if (eps.kind == Token::None && kind == NormAttrs::EpsOrFloatEps) {
+          // F.rms_norm's default: the epsilon of the type it computes in, float for bf16 and fp16 too (with bf16's
+          // own 2^-7 a bf16 model's default RMSNorm gave other values than eager's)
+          ins.attrs.a0 = std::numeric_limits<float>::epsilon();
         } else {
           return "unsupported eps" + where;
         }

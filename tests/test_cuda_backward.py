@@ -238,6 +238,15 @@ def test_backward_opcheck_on_the_gpu(program):
     torch.library.opcheck(torch.ops.fxfuse.epilogue_backward.default, (grad_output, gemm_out, params, program, needs))
 
 
+def test_a_misaligned_gemm_out_is_declined(caplog):
+    """A contiguous view one element into its storage: the kernel's 16-byte row copies would fault ('misaligned
+    address', which poisons the process's CUDA context); the reference takes it (found by review)."""
+    program = EXAMPLES["linear_groupnorm_hardtanh"]
+    params = [torch.randn(256, device="cuda") for _ in range(2)]
+    gemm_out = torch.randn(32 * 256 + 1, device="cuda")[1:].view(32, 256)
+    check_backward(program, gemm_out, params, BOUNDS["fp32"], caplog, fallback="16-byte aligned")
+
+
 def test_backward_runs_on_the_current_non_default_stream():
     program = EXAMPLES["linear_groupnorm_hardtanh"]
     params = [torch.randn(1024, device="cuda") for _ in range(2)]
