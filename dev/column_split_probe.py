@@ -14,14 +14,13 @@ timing) over F.linear alone's:
 - columns k overlap: the chunks' GEMMs on a high-priority side stream; each chunk's row min (or mul_) on the
   caller's stream after its GEMM's event; the min + broadcast add once all chunks are done.
 """
-import json
 import sys
-import tempfile
 
 import torch
 import torch.nn.functional as F
 
 from fxfuse.bench import INPUT_SETS, time_interleaved_ms
+from kernel_trace import kernel_events
 
 M, K, N = 1024, 8192, 8192
 ALL_PRECISIONS = {"tf32": (torch.float32, True), "bf16": (torch.bfloat16, False), "fp32": (torch.float32, False)}
@@ -80,19 +79,10 @@ def calls(weight, bias, gemm_stream):
 
 
 def kernel_lines(fns: dict, x) -> list[str]:
-    """Name, grid and time of every kernel of one call of each fn (from the profiler's chrome trace)."""
+    """Name, grid and time of every kernel of one call of each fn, queued behind a GPU spin."""
     lines = []
     for name, fn in fns.items():
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            torch.cuda._sleep(50_000_000)  # the call queued behind a spin: its timeline is the GPU's, not the host's
-            fn(x)
-            torch.cuda.synchronize()
-        with tempfile.NamedTemporaryFile(suffix=".json") as trace:
-            prof.export_chrome_trace(trace.name)
-            with open(trace.name) as exported:
-                events = json.load(exported)["traceEvents"]
-        kernels = sorted((e for e in events if e.get("cat") == "kernel" and "sleep" not in e["name"]),
-                         key=lambda e: e["ts"])
+        kernels = kernel_events(fn, x, queued=True)
         start = kernels[0]["ts"] if kernels else 0
         for e in kernels:
             args = e.get("args", {})

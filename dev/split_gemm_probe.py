@@ -13,14 +13,13 @@ over F.linear alone's, for fp32 IEEE, tf32 and bf16:
   stream after its GEMM's event, so the epilogue's blocks fill what the GEMM leaves; the min + broadcast add
   writes the output once all chunks are done.
 """
-import json
 import sys
-import tempfile
 
 import torch
 import torch.nn.functional as F
 
 from fxfuse.bench import INPUT_SETS, time_interleaved_ms
+from kernel_trace import kernel_events
 
 M, K, N = 1024, 8192, 8192
 PRECISIONS = [("fp32", torch.float32, False), ("tf32", torch.float32, True), ("bf16", torch.bfloat16, False)]
@@ -82,19 +81,11 @@ def gemm_kernels(fns: dict, x) -> list[str]:
     """Name, grid and block of every kernel of one call of each fn (from the profiler's chrome trace)."""
     lines = []
     for name in ("whole", *(f"split {count}" for count in CHUNK_COUNTS)):
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            fns[name](x)
-            torch.cuda.synchronize()
-        with tempfile.NamedTemporaryFile(suffix=".json") as trace:
-            prof.export_chrome_trace(trace.name)
-            with open(trace.name) as exported:
-                events = json.load(exported)["traceEvents"]
-        for e in events:
-            if e.get("cat") == "kernel":
-                args = e.get("args", {})
-                lines.append(f"  {name:8s} {e['dur']:8.1f} us grid {args.get('grid')} block {args.get('block')} "
-                             f"regs {args.get('registers per thread')} smem {args.get('shared memory')} "
-                             f"{e['name'][:110]}")
+        for e in kernel_events(fns[name], x):
+            args = e.get("args", {})
+            lines.append(f"  {name:8s} {e['dur']:8.1f} us grid {args.get('grid')} block {args.get('block')} "
+                         f"regs {args.get('registers per thread')} smem {args.get('shared memory')} "
+                         f"{e['name'][:110]}")
     return lines
 
 
