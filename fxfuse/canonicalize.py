@@ -755,7 +755,7 @@ def surely_not_tensor(obj) -> bool:
     if obj.op == "call_function" and getattr(obj.target, "__module__", None) in ("_operator", "operator"):
         return all(surely_not_tensor(a) for a in obj.args)
     if obj.op == "call_function" and obj.target is augmented_assignment:
-        return surely_not_tensor(obj.args[1])
+        return surely_not_tensor(obj.args[1]) and surely_not_tensor(obj.args[2])
     return False
 
 

@@ -52,8 +52,9 @@ class Region:
     # the features of a 2-D one): the rewritten graph checks it at every call. None: any rank.
     x_rank: int | None = None
     # The dtypes an idiom of the program is its op in (the dtype the epilogue computes in, checked at every call
-    # of optimize()'s graph). None: any.
+    # of optimize()'s graph), and those idioms' ops. None: any.
     dtypes: tuple | None = None
+    dtype_ops: tuple = ()
 
 
 class Boundary(str):
@@ -83,9 +84,10 @@ class Facts:
     """What is known of a graph's tensors: module attributes always; shapes when example inputs were given."""
     gm: fx.GraphModule
     position: dict[fx.Node, int] = field(default_factory=dict)
-    # The graph will be differentiated (what a fused op keeps for its backward matters), and its inputs' ranks and
-    # aliasing are guarded, as Dynamo guards them (its example values then tell which inputs share memory).
-    training: bool = False
+    # The graph may be differentiated (what a fused op keeps for its backward matters: any of optimize()'s, a
+    # backend's training graph), and its inputs' ranks are guarded, as Dynamo guards them (its example values then
+    # also tell which inputs are one tensor).
+    differentiated: bool = True
     inputs_guarded: bool = False
     # Region outputs already replaced by a fused node: canonical records made before still name the old node.
     replaced: dict[fx.Node, fx.Node] = field(default_factory=dict)
@@ -183,7 +185,7 @@ class _Growth:
         self.min_rank: dict[int, int] = {}      # value index -> the least rank it can have (a GEMM output: 2)
         # (x's rank that an admitted op's meaning depends on, the member count before that op)
         self.x_rank: tuple[int, int] | None = None
-        self.dtypes: list[tuple[tuple, int]] = []  # (an admitted idiom's dtypes, the member count before it)
+        self.dtypes: list[tuple[tuple, int, str]] = []  # (an admitted idiom's dtypes, the members before it, its op)
         self.instructions: list[Instruction] = []
         self.params: list[Any] = []
         self.misses: list[NearMiss] = []
@@ -366,7 +368,7 @@ class _Growth:
         if reduces and rank is not None and not c.attrs["keepdim"]:
             rank -= 1
         if c.dtypes is not None:
-            self.dtypes.append((c.dtypes, len(self.members)))
+            self.dtypes.append((c.dtypes, len(self.members), c.op))
         self.add_member(node, c)
         # A pointwise op is one number per row only if all its region operands are: `h * h.sum(-1, keepdim=True)`
         # broadcasts the reduced value back onto full rows.
@@ -503,7 +505,7 @@ class _Growth:
             self.dropped.discard(index)
         if self.x_rank is not None and self.x_rank[1] >= n_members:
             self.x_rank = None
-        self.dtypes = [(dtypes, at) for dtypes, at in self.dtypes if at < n_members]
+        self.dtypes = [entry for entry in self.dtypes if entry[1] < n_members]
 
     # -- validity of the current prefix
 
@@ -594,7 +596,8 @@ def find_region(gm: fx.GraphModule, anchor: fx.Node, canon, facts: Facts):
                     growth.bias, growth.params[:n_params], Program(tuple(growth.instructions[:n_instructions])),
                     check_matrix=canon[anchor].attrs.get("matrix_input", False),
                     x_rank=growth.x_rank[0] if growth.x_rank is not None and growth.x_rank[1] < n_members else None,
-                    dtypes=_common_dtypes([dtypes for dtypes, at in growth.dtypes if at < n_members]))
+                    dtypes=_common_dtypes([dtypes for dtypes, at, _ in growth.dtypes if at < n_members]),
+                    dtype_ops=tuple(sorted({op for _, at, op in growth.dtypes if at < n_members})))
     problem = prove_legal(gm, region, facts) or _mutation_problem(region, canon, facts)
     if problem:
         return None, [NearMiss(anchor, anchor, problem)]
@@ -783,9 +786,11 @@ def _may_share_memory(base, nodes: set, paths: set, between: bool, facts: Facts)
     changed tensor `base`, a graph input or module tensor, may be or view at run time though the graph does not
     show it: two graph inputs (`f(t, t)`), two module tensors (tied weights, views of one buffer); between the
     region's ops also an input and a module tensor. Tensors the graph makes are new; tensors of different dtypes
-    are taken not to share memory (an int64 step counter, float params). Module tensors, and a guarded graph's
-    inputs (Dynamo's example values), share memory exactly where their storages are one."""
-    if not isinstance(base, fx.Node) or base.op not in ("placeholder", "get_attr") or not (between or facts.training):
+    are taken not to share memory (an int64 step counter, float params). Module tensors share memory exactly where
+    their storages are one; a guarded graph's inputs (Dynamo's example values) do where theirs are one, and may
+    where they are not (a view of another input is not guarded)."""
+    if not isinstance(base, fx.Node) or base.op not in ("placeholder", "get_attr") or \
+            not (between or facts.differentiated):
         return None
     candidates = [n for n in nodes if isinstance(n, fx.Node) and n.op in ("placeholder", "get_attr") and n is not base]
     candidates += [Attr(path) for path in sorted(paths)]
@@ -795,7 +800,9 @@ def _may_share_memory(base, nodes: set, paths: set, between: bool, facts: Facts)
         if changed is not None and read is not None:
             if changed[0] == read[0]:
                 return what
-            continue
+            if base.op == "get_attr" and (isinstance(candidate, Attr) or candidate.op == "get_attr"):
+                continue  # two module tensors of their own storages: fixed for the graph's life
+            # Dynamo guards an input passed twice, not a view of another: other storages prove nothing there
         dtypes = {getattr(t, "dtype", None) for t in (facts.tensor(base), facts.tensor(candidate))}
         if len(dtypes) == 2 and None not in dtypes:
             continue

@@ -17,6 +17,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .canonicalize import LINEAR, Attr, augmented_assignment, canonicalize, hooks_of
+from .epilogue import EPILOGUE_OPS, POINTWISE
 from .library import gemm_epilogue, gemm_epilogue_train
 from .match import Facts, Region, find_region
 from .report import FusedRow, MissRow, Report
@@ -133,7 +134,9 @@ def require_dtype(x: torch.Tensor, dtypes: tuple, ops: str) -> None:
     some dtypes (x * relu6(x + 3) / 6 overflows in fp16 where hardswish does not): the dtype the epilogue computes
     in now, x's or autocast's, must be one of them. (Dynamo guards dtypes and autocast itself.)"""
     device = x.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    autocast_known = torch.amp.is_autocast_available(device) if hasattr(torch.amp, "is_autocast_available") else \
+        device in ("cpu", "cuda")
+    dtype = torch.get_autocast_dtype(device) if autocast_known and torch.is_autocast_enabled(device) else x.dtype
     name = str(dtype).removeprefix("torch.")
     if name not in dtypes:
         raise RuntimeError(f"fxfuse: this part of the model was optimized for {' or '.join(dtypes)} values, in which "
@@ -188,9 +191,8 @@ def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool,
         if isinstance(region.weight, fx.Node) and region.weight.op == "placeholder" and not shapes_guarded:
             graph.call_function(require_rank, (region.weight, 2, "weight"))
         if region.dtypes is not None and not shapes_guarded:
-            ops = " and ".join(sorted({ins.op for ins in region.program.instructions}))
             names = tuple(str(dtype).removeprefix("torch.") for dtype in region.dtypes)
-            graph.call_function(require_dtype, (region.x, names, ops))
+            graph.call_function(require_dtype, (region.x, names, " and ".join(region.dtype_ops)))
         weight = _tensor_node(graph, region.weight)
         if region.transpose_weight:
             weight = graph.call_function(torch.t, (weight,))
@@ -230,17 +232,24 @@ def _dims_in_range(c) -> bool:
     return -max(value.dim(), 1) <= dim < max(value.dim(), 1)
 
 
+def _cannot_raise(c) -> bool:
+    """A pointwise op of one tensor and numbers (`h * 3`, `h.relu()`): eager computes it for any shape."""
+    tensors = [o for o in c.operands if isinstance(o, (fx.Node, Attr))]
+    return c.op in EPILOGUE_OPS and EPILOGUE_OPS[c.op].kind == POINTWISE and c.op != "batch_norm" and len(tensors) == 1
+
+
 def _drop_unused_epilogue_ops(gm: fx.GraphModule, canon: dict) -> None:
     """Epilogue ops whose values nothing reads (`aux = h + self.b`, never used) go: they change nothing eager
     returns, and a region that took them in would give their params zero gradients where eager gives none. Only
-    those that ran on the example inputs (or Dynamo's) without raising: one eager raises for (`h + b` with b of
-    another width, `F.layer_norm(h, (13,))`) must stay to raise."""
+    those that ran on the example inputs (or Dynamo's) without raising, or that cannot raise: one eager raises for
+    (`h + b` with b of another width, `F.layer_norm(h, (13,))`) must stay to raise."""
     covered = {n for c in canon.values() for n in c.covers}  # stand-ins of another op (max's unused indices)
     for node in reversed(list(gm.graph.nodes)):
         c = canon.get(node)
         if c is None or node.users or node in covered or c.problem or c.inplace_of is not None or c.op == LINEAR:
             continue
-        if not any(key in node.meta for key in ("val", "example_value", "tensor_meta")) or not _dims_in_range(c):
+        ran = any(key in node.meta for key in ("val", "example_value", "tensor_meta")) and _dims_in_range(c)
+        if not ran and not _cannot_raise(c):
             continue
         gm.graph.erase_node(node)
         del canon[node]
@@ -257,7 +266,7 @@ def fuse_graph(gm: fx.GraphModule, where: str = "", training: bool = False, shap
     report = Report()
     canon = canonicalize(gm)
     _drop_unused_epilogue_ops(gm, canon)
-    facts = Facts(gm, training=training, inputs_guarded=shapes_guarded)
+    facts = Facts(gm, differentiated=training or not shapes_guarded, inputs_guarded=shapes_guarded)
     facts.position = {node: i for i, node in enumerate(gm.graph.nodes)}
     prefix = f"{where}." if where else ""
     anchors = [n for n, c in canon.items() if c.op == LINEAR and c.problem is None]

@@ -567,18 +567,22 @@ def test_the_backend_sees_every_augmented_assignment_as_in_place(augmented):
     torch._dynamo.reset()
 
 
-def test_the_backend_tells_aliased_inputs_from_their_example_values():
-    """Dynamo guards which inputs share memory: `model(t, t)` keeps the region unfused, `model(t, u)` fuses."""
+def test_the_backend_takes_no_two_inputs_for_other_memory():
+    """Dynamo recompiles for an input passed twice (`model(t, t)`), not for a view of it (`model(t, t.view(...))`),
+    which reuses the graph of two tensors: inputs of other example storages may share memory all the same (the
+    graph fused, and read y doubled)."""
     torch._dynamo.reset()
     model = GemmThen(changes_y_between, in_features=OUT).eval()
     backend = fxfuse.make_backend(inner="eager")
     compiled = torch.compile(model, backend=backend)
-    base = rows(features=OUT)
     with torch.no_grad():
-        expected_input, actual_input = base.clone(), base.clone()
-        assert_close_report(compiled(actual_input, actual_input), model(expected_input, expected_input))
-        assert_close_report(compiled(base.clone(), rows(features=OUT)), model(base.clone(), rows(features=OUT)))
-    assert [len(report.fused) for report in backend.reports] == [0, 1]
+        x, y = rows(features=OUT), rows(features=OUT)
+        assert_close_report(compiled(x.clone(), y.clone()), model(x.clone(), y.clone()))
+        for share in (lambda t: t, lambda t: t.view(BATCH, OUT)):
+            base = rows(features=OUT)
+            expected_input, actual_input = base.clone(), base.clone()
+            assert_close_report(compiled(actual_input, share(actual_input)), model(expected_input, share(expected_input)))
+    assert all(not report.fused for report in backend.reports)
     torch._dynamo.reset()
 
 
@@ -1513,6 +1517,49 @@ def test_an_fp32_only_idiom_raises_where_the_epilogue_computes_in_fp16():
             optimized(x)
         with pytest.raises(RuntimeError, match="in float16 it is not"):
             optimized.half()(x.half())
+
+
+def test_a_dtype_checked_program_runs_on_meta_tensors():
+    """require_dtype asked autocast about the meta device, which it does not know (eager runs there)."""
+    model = SpelledOutHardswish().eval()
+    optimized = fxfuse.optimize(model, (torch.randn(2, 4),)).to("meta")
+    assert optimized(torch.empty(2, 4, device="meta")).shape == (2, 4)
+
+
+def test_the_dtype_check_names_the_idioms_only():
+    model = GemmThen(lambda m, x, y: (lambda h: h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))(m.fc(x) + 1))
+    optimized = fxfuse.optimize(model.eval(), (rows(),))
+    with torch.autocast("cpu", dtype=torch.float16), pytest.raises(RuntimeError, match="its spelled-out rms_norm is"):
+        optimized(rows())
+
+
+def test_an_unused_op_of_numbers_only_is_dropped_without_example_inputs():
+    """`h * 3`, never used, cannot raise and has no params: it goes, and the region fuses (a refusal of every unused
+    op without shapes left this chain unfused)."""
+    model = GemmThen(lambda m, x, y: (lambda h: (h * 3.0, torch.relu(h))[1])(m.fc(x))).eval()
+    assert fused_programs(fxfuse.optimize(model)) == ["relu(%0)"]
+
+
+class ChangesAnInputAfter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(IN, OUT)
+
+    def forward(self, x, b, c):
+        y = torch.relu(self.fc(x) + b)  # the fused op keeps b for its backward
+        c.mul_(2.0)                     # another input, which may be b
+        return y
+
+
+def test_an_eval_model_keeps_what_its_backward_needs():
+    """An eval-mode optimized model may still be differentiated (saliency): changing an input that may be what the
+    fused op kept after it made backward raise where eager's did not."""
+    model = ChangesAnInputAfter().eval()
+    optimized = fxfuse.optimize(model, (rows(), torch.randn(OUT), torch.randn(OUT)))
+    assert fused_op_count(optimized) == 0
+    shared = torch.randn(OUT)
+    x = rows().requires_grad_()
+    optimized(x, shared, shared).sum().backward()
 
 
 def test_a_model_left_unfused_is_a_copy_whose_registrations_leave_the_model_alone():
