@@ -77,6 +77,7 @@ def settings_of(module: nn.Module) -> dict:
 
 
 def missing_tensors_of(module: nn.Module) -> dict:
+    """{name: None} for each parameter or buffer slot the module holds None in (a Linear without a bias)."""
     return {name: None for slots in (module._parameters, module._buffers) for name, value in slots.items()
             if value is None}
 
