@@ -233,10 +233,16 @@ def _dims_in_range(c) -> bool:
     return -max(value.dim(), 1) <= dim < max(value.dim(), 1)
 
 
-def _cannot_raise(c) -> bool:
-    """A pointwise op of one tensor and numbers (`h * 3`, `h.relu()`): eager computes it for any shape."""
+def _cannot_raise(c, canon: dict) -> bool:
+    """A pointwise op of a GEMM's output and numbers, with no text attribute (`h * 3`, `h.relu()`): eager computes it
+    for any shape of that float tensor (not so `F.gelu(h, approximate="bad")`, `h - True`, or an op of an int input)."""
+    if c.op not in EPILOGUE_OPS or EPILOGUE_OPS[c.op].kind != POINTWISE or c.op == "batch_norm":
+        return False
     tensors = [o for o in c.operands if isinstance(o, (fx.Node, Attr))]
-    return c.op in EPILOGUE_OPS and EPILOGUE_OPS[c.op].kind == POINTWISE and c.op != "batch_norm" and len(tensors) == 1
+    numbers_only = all(o in tensors or (isinstance(o, (int, float)) and not isinstance(o, bool)) for o in c.operands)
+    gemm = canon.get(tensors[0]) if len(tensors) == 1 and isinstance(tensors[0], fx.Node) else None
+    return numbers_only and gemm is not None and gemm.op == LINEAR and gemm.problem is None and \
+        not any(isinstance(value, str) for value in c.attrs.values())
 
 
 def _drop_unused_epilogue_ops(gm: fx.GraphModule, canon: dict) -> None:
@@ -250,7 +256,7 @@ def _drop_unused_epilogue_ops(gm: fx.GraphModule, canon: dict) -> None:
         if c is None or node.users or node in covered or c.problem or c.inplace_of is not None or c.op == LINEAR:
             continue
         ran = any(key in node.meta for key in ("val", "example_value", "tensor_meta")) and _dims_in_range(c)
-        if not ran and not _cannot_raise(c):
+        if not ran and not _cannot_raise(c, canon):
             continue
         gm.graph.erase_node(node)
         del canon[node]

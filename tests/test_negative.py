@@ -1065,7 +1065,8 @@ def test_an_unused_epilogue_op_leaves_its_params_without_a_gradient():
     lambda m, h: h + torch.ones(OUT + 1),            # another width: eager raises
     lambda m, h: F.layer_norm(h, (OUT + 1,)),
     lambda m, h: h.softmax(5),                       # no dim 5
-], ids=["add", "layer_norm", "softmax"])
+    lambda m, h: F.gelu(h, approximate="bad"),       # a pointwise op of numbers alone, but a bad text attribute
+], ids=["add", "layer_norm", "softmax", "gelu"])
 @pytest.mark.parametrize("with_example_inputs", [True, False])
 def test_an_unused_op_that_eager_raises_for_still_raises(unused, with_example_inputs):
     """An unused epilogue op is dropped only where it ran on the example inputs: one that raises was dropped, and
