@@ -23,7 +23,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .report import MissRow, Report
-from .canonicalize import augmented_assignment, hooks_of, signatures_of
+from .canonicalize import CALL_HOOK_DICTS, augmented_assignment, has_call_hooks, hooks_of, signatures_of
 from .rewrite import GRAPH_HELPERS, fuse_graph
 
 logger = logging.getLogger("fxfuse")
@@ -45,7 +45,7 @@ class FusedGraphModule(fx.GraphModule):
 
     def __call__(self, *args, **kwargs):
         if any(self._inlined_hook_dicts()):  # (each call: only the dicts' truth, then the message)
-            path, module = next((path, m) for path, m in self.inlined if _has_call_hooks(m))
+            path, module = next((path, m) for path, m in self.inlined if has_call_hooks(m))
             raise RuntimeError(f"fxfuse: `{path}` has {hooks_of(module, own_only=True)} now; the optimized model "
                                "runs its ops without calling it, so they would never run: run fxfuse.optimize() on "
                                "the model again")
@@ -66,7 +66,7 @@ class FusedGraphModule(fx.GraphModule):
         another tuple (a copy, an unpickled model)."""
         cached = self.__dict__.get("_inlined_hooks_cache")
         if cached is None or cached[0] is not self.inlined:
-            dicts = tuple(getattr(m, name) for _, m in self.inlined for name in _CALL_HOOK_DICTS)
+            dicts = tuple(getattr(m, name) for _, m in self.inlined for name in CALL_HOOK_DICTS)
             cached = self.__dict__["_inlined_hooks_cache"] = (self.inlined, dicts)
         return cached[1]
 
@@ -189,11 +189,6 @@ for _function in (operator.iadd, operator.isub, operator.imul, operator.itruediv
     setattr(_Proxy, f"__{_function.__name__}__", _recorded_in_place(_function))
 
 
-def _has_call_hooks(module: nn.Module) -> bool:
-    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks)
-
-
 class _Tracer(fx.Tracer):
     """fx's tracer, with these kept as one call each: a model fxfuse already optimized (its graph checks at each
     call that the modules it folded keep their modes and settings, which tracing through it would run once, at
@@ -208,7 +203,7 @@ class _Tracer(fx.Tracer):
         return _Proxy(node, self)
 
     def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
-        return isinstance(module, FusedGraphModule) or _has_call_hooks(module) or \
+        return isinstance(module, FusedGraphModule) or has_call_hooks(module) or \
             super().is_leaf_module(module, qualified_name)
 
     def call_module(self, module: nn.Module, forward, args, kwargs):
@@ -381,7 +376,7 @@ def _propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None
         # A lazy module would initialize its parameters on the fake tensors, leaving the model's own on "meta".
         logger.info("fxfuse: no shapes (the model has uninitialized lazy parameters); matching without them")
         return
-    hooked = [module for module in gm.modules() if module is not gm and _has_call_hooks(module)]
+    hooked = [module for module in gm.modules() if module is not gm and has_call_hooks(module)]
     try:
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         with _fake_buffers(gm, mode), _call_hooks_set_aside(hooked):
@@ -399,13 +394,10 @@ def _propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None
             node.meta.pop("val", None)
 
 
-_CALL_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
-
-
 @contextlib.contextmanager
 def _call_hooks_set_aside(modules: list[nn.Module]):
     """The shapes run calls the graph's modules on fake tensors: their hooks, the user's code, must not see them."""
-    saved = [(module, name, getattr(module, name)) for module in modules for name in _CALL_HOOK_DICTS]
+    saved = [(module, name, getattr(module, name)) for module in modules for name in CALL_HOOK_DICTS]
     try:
         for module, name, hooks in saved:
             setattr(module, name, type(hooks)())

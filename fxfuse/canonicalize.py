@@ -639,6 +639,15 @@ _KNOWN_MODULES = (nn.Linear, nn.ReLU, nn.SiLU, nn.Mish, nn.Hardswish, nn.Hardsig
                   *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))
 
 
+# The hooks that calling a module runs, of its own (the state-dict hooks are not called with it).
+CALL_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def has_call_hooks(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks)
+
+
 def hooks_of(module: nn.Module, own_only: bool = False) -> str:
     """The hooks that calling `module` runs (its own, or every module's: not with `own_only`), named; '' if
     none."""

@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .canonicalize import LINEAR, Attr, augmented_assignment, canonicalize, hooks_of
+from .canonicalize import LINEAR, Attr, augmented_assignment, canonicalize, has_call_hooks, hooks_of
 from .epilogue import EPILOGUE_OPS, POINTWISE
 from .library import gemm_epilogue, gemm_epilogue_train
 from .match import Facts, Region, find_region
@@ -96,7 +96,7 @@ def require_settings(x, module: nn.Module, path: str, settings: dict, kind: str)
     """Called by rewritten graphs for each module folded into a fused op: it is still of its kind, with the class's
     forward, its settings are still the program's, and it has no hooks of its own (the fused op would skip them;
     every module's, such as a profiler's, are the caller's to know). `x`: as require_eval_mode's."""
-    if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks:
+    if has_call_hooks(module):
         hooks = hooks_of(module, own_only=True)  # (each call: only the dicts' truth, then the message)
         raise RuntimeError(f"fxfuse: `{path}` has {hooks} now, which its fused op would skip; run fxfuse.optimize() "
                            "on the model again")
