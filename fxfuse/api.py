@@ -284,8 +284,8 @@ def _model_kept_as_it_was(model: nn.Module):
         for name, module in model.named_modules():
             before = attributes.get(name, {})
             for key in [k for k in vars(module) if k not in before or vars(module)[k] is not before[k]]:
-                if key.startswith("_tensor_constant"):  # the tracer's own: tensors made while tracing
-                    continue
+                if key.startswith("_tensor_constant") or key == "_inlined_hooks_cache":  # the tracer's own tensors;
+                    continue  # a nested optimized model's hook lookup, filled at its first call
                 changed.append(f"sets `{f'{name}.' if name else ''}{key}`")
                 if key in before:
                     vars(module)[key] = before[key]
@@ -502,7 +502,10 @@ def _optimize(model: nn.Module, example_inputs, path: str, report: Report) -> nn
         _propagate_shapes(gm, example_inputs)
     fused_before = len(report.fused)
     try:
-        report.extend(fuse_graph(gm, path, training=_trains(model, example_inputs)))
+        # Matching reads module tensors: a parametrized one (spectral_norm) runs its parametrization, which may
+        # change the model's buffers (its power iteration's vectors); they are put back.
+        with _model_kept_as_it_was(model):
+            report.extend(fuse_graph(gm, path, training=_trains(model, example_inputs)))
     except Exception as error:  # never fail a model that runs in eager: keep it unfused, and say why
         logger.warning("fxfuse: fusing %s failed (%s: %s); it runs unfused", path or "the model",
                        type(error).__name__, error, exc_info=logger.isEnabledFor(logging.DEBUG))

@@ -128,7 +128,7 @@ _unary("abs", (torch.abs, torch.absolute, operator.abs), _optional("abs_"), ("ab
 _unary("neg", (torch.neg, torch.negative, operator.neg), _optional("neg_"), ("neg", "negative"))
 
 
-@spelling("(input, memory_format=None)", methods=("contiguous",))
+@spelling("(input, *, memory_format=None)", methods=("contiguous",))
 def _contiguous(a, inplace):
     if a["memory_format"] not in (None, torch.contiguous_format):  # channels_last: other strides, or eager raises
         raise NotFusible(f"contiguous with memory_format={a['memory_format']}")
@@ -267,7 +267,7 @@ def _pow(a, inplace):
                      inplace_of=_inplace(a, inplace))
 
 
-def _binary(op: str, fns, methods, inplace_ops, signature="(input, other, alpha=1)", swap=False):
+def _binary(op: str, fns, methods, inplace_ops, signature="(input, other, *, alpha=1)", swap=False):
     @spelling(signature, functions=fns, methods=methods, inplace_methods=tuple(m + "_" for m in methods),
               inplace_functions=inplace_ops)
     def handler(a, inplace):
@@ -291,7 +291,7 @@ _binary("sub", (torch.rsub,), (), (), swap=True)
 _binary("mul", (torch.mul, torch.multiply, operator.mul), ("mul", "multiply"), (operator.imul,),
         signature="(input, other)")
 _binary("div", (torch.div, torch.divide, torch.true_divide, operator.truediv), ("div", "divide", "true_divide"),
-        (operator.itruediv,), signature="(input, other, rounding_mode=None)")
+        (operator.itruediv,), signature="(input, other, *, rounding_mode=None)")
 
 
 # ---------------------------------------------------------------- normalizations
@@ -815,6 +815,8 @@ def _spelled_op(node: fx.Node, gm: fx.GraphModule) -> Canonical | None:
     if node.op == "call_method" or (node.op == "call_function" and isinstance(target, types.BuiltinFunctionType)):
         kwargs = _from_numpy_keywords(kwargs, sig)
     try:
+        if node.op != "call_module":
+            _check_eager_takes(target, node.op == "call_method", args, kwargs)
         bound = sig.bind(*args, **kwargs)
     except TypeError as error:
         return Canonical("?", (), {}, problem=f"unexpected arguments: {error}")
@@ -830,6 +832,25 @@ def _spelled_op(node: fx.Node, gm: fx.GraphModule) -> Canonical | None:
     except (TypeError, ValueError) as error:  # a scalar argument is a traced value (Dynamo's dynamic floats)
         return Canonical("?", (first,) if isinstance(first, fx.Node) else (), {},
                          problem=f"an argument is computed in the graph, not a constant ({error})")
+
+
+def _check_eager_takes(target, is_method: bool, args: tuple, kwargs: dict) -> None:
+    """Raises TypeError where eager's own signatures of the call take none of these arguments: a spelling's
+    signature serves a function and its method alike, but `h.exp(True)`, `torch.relu(h, True)` or `h.add(b, 1)` are
+    errors in eager (a method's arguments are its function's after `self`). Targets without known signatures pass."""
+    function = target
+    if is_method:
+        function = getattr(torch, target, None) or getattr(torch, target.removesuffix("_"), None)
+    signatures = signatures_of(function) if callable(function) else ()
+    errors = []
+    for signature in signatures:
+        try:
+            signature.bind(*args, **kwargs)
+            return
+        except TypeError as error:
+            errors.append(error)
+    if errors:
+        raise TypeError(f"eager takes no such call ({errors[0]})")
 
 
 def _redirect_inplace_uses(graph: fx.Graph, canon: dict[fx.Node, Canonical]) -> None:

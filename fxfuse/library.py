@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 
 import torch
 import torch.nn.functional as F
@@ -211,9 +212,10 @@ def _linear_gradients(grad_y, x, weight, needs, dtypes):
         return None, None, None
     x_dtype, weight_dtype, bias_dtype = dtypes
     compute = grad_y.dtype
-    grad_rows = grad_y.reshape(-1, grad_y.shape[-1])
+    rows = math.prod(grad_y.shape[:-1])  # not -1: a reshape of no elements to (-1, 0) is ambiguous
+    grad_rows = grad_y.reshape(rows, grad_y.shape[-1])
     grad_x = (grad_y @ weight.to(compute)).to(x_dtype) if needs_x else None
-    grad_weight = (grad_rows.t() @ x.reshape(-1, x.shape[-1]).to(compute)).to(weight_dtype) if needs_weight else None
+    grad_weight = (grad_rows.t() @ x.reshape(rows, x.shape[-1]).to(compute)).to(weight_dtype) if needs_weight else None
     grad_bias = grad_rows.sum(0).to(bias_dtype) if needs_bias else None
     return grad_x, grad_weight, grad_bias
 

@@ -21,9 +21,10 @@ import networkx as nx
 import torch
 import torch.fx as fx
 import torch.nn as nn
+import torch.nn.functional as F
 
-from .canonicalize import (COVERED, IDENTITY, LINEAR, Attr, Canonical, augmented_assignment, signatures_of,
-                           surely_not_tensor)
+from .canonicalize import (COVERED, IDENTITY, LINEAR, Attr, Canonical, augmented_assignment, has_call_hooks,
+                           signatures_of, surely_not_tensor)
 from .library import FUSED_OPS
 from .epilogue import EPILOGUE_OPS, NORM, POINTWISE, REDUCTION
 from .program import Instruction, Param, Program, Value
@@ -154,6 +155,11 @@ def _known_tensor(value) -> torch.Tensor | None:
     """A module attribute as a tensor whose shape is known: not a lazy module's uninitialized parameter."""
     lazy = isinstance(value, (nn.parameter.UninitializedParameter, nn.parameter.UninitializedBuffer))
     return value if isinstance(value, torch.Tensor) and not lazy else None
+
+
+def module_tensor(gm: fx.GraphModule, path: str) -> torch.Tensor | None:
+    """The module tensor at `path` of `gm`, if its shape is known."""
+    return _known_tensor(_get_attr(gm, path))
 
 
 def _get_attr(gm: fx.GraphModule, path: str):
@@ -666,7 +672,57 @@ def _mutated_by(node: fx.Node, canon, gm: fx.GraphModule) -> list:
         mutated.extend(_written_by_schema(node))
         if _opaque(node.target):  # a Python function of the user's (torch.fx.wrap): it may change any tensor given
             mutated.extend(node.all_input_nodes)
+        mutated.extend(_running_statistics_updated(node))
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        if has_call_hooks(module) or not _torch_module(module):  # a hooked module, an optimized model inside: code
+            mutated.extend(node.all_input_nodes)                  # of the user's, which may change its inputs
+            mutated.extend(Attr(f"{node.target}.{name}") for name, _ in _module_tensors(module))  # and its own
+        elif getattr(module, "running_mean", None) is not None:  # BatchNorm, InstanceNorm: updated in train mode
+            mutated.extend(Attr(f"{node.target}.{name}") for name, _ in module.named_buffers())
     return [m for m in mutated if m is not None]
+
+
+def _torch_module(module: nn.Module) -> bool:
+    return type(module).__module__.startswith(("torch.nn.", "torch.ao.nn."))
+
+
+def _module_tensors(module: nn.Module):
+    yield from module.named_parameters()
+    yield from module.named_buffers()
+
+
+# Functions that update their running statistics in training mode: (where running_mean and running_var are, by
+# position, and the training flag's name). Dynamo records nn.BatchNorm1d as F.batch_norm(x, mean, var, ..., True).
+_RUNNING_STATISTICS = {
+    F.batch_norm: (1, 2, "training"),
+    F.instance_norm: (1, 2, "use_input_stats"),
+    torch.batch_norm: (3, 4, "training"),
+    torch.instance_norm: (3, 4, "use_input_stats"),
+}
+
+
+def _running_statistics_updated(node: fx.Node) -> list:
+    """The running statistics a batch or instance norm call updates in place: those it is given, unless its
+    training flag is literally False (aten's batch_norm schema does not mark them written)."""
+    try:
+        where = _RUNNING_STATISTICS.get(node.target)
+    except TypeError:  # an unhashable target
+        return []
+    if where is None:
+        return []
+    mean_index, var_index, flag = where
+    for signature in signatures_of(node.target):
+        try:
+            bound = signature.bind(*node.args, **node.kwargs)
+        except TypeError:
+            continue
+        bound.apply_defaults()
+        if bound.arguments.get(flag) is False:
+            return []
+        names = list(signature.parameters)
+        return [bound.arguments.get(names[mean_index]), bound.arguments.get(names[var_index])]
+    return []
 
 
 # Dynamo records `x //= 2` as operator.ifloordiv(x, 2), optimize()'s trace as augmented_assignment: every
@@ -766,14 +822,18 @@ def _mutation_problem(region: Region, canon, facts: Facts) -> str | None:
             continue
         between = position < last
         nodes, paths = (read_nodes, read_paths) if between else (kept_nodes, kept_paths)
+        paths = paths | {n.target for n in nodes if isinstance(n, fx.Node) and n.op == "get_attr"}
+        # A norm's running statistics are its module's own buffers, views of no other tensor: only the same storage
+        # is the same memory (Dynamo lifts them to inputs, which may alias as far as it guards).
+        exact = bool(_running_statistics_updated(node))
         for mutated in mutations:  # an earlier region's value: its fused op's now
             for base in _bases(facts.resolve(mutated), canon):
-                if base in nodes or (isinstance(base, fx.Node) and base.op == "get_attr" and base.target in paths):
+                if base in nodes or module_tensor_path(base) in paths:
                     if between:
                         return f"{describe(node)} changes {describe(base)} between the region's ops, which read it"
                     return (f"{describe(node)} changes {describe(base)} after the region, whose fused op keeps it "
                             "for its backward")
-                shared = _may_share_memory(base, nodes, paths, between, facts)
+                shared = _may_share_memory(base, nodes, paths, between, facts, exact)
                 if shared is not None:
                     when = "between the region's ops, which read" if between else \
                         "after the region, whose fused op keeps for its backward"
@@ -781,35 +841,42 @@ def _mutation_problem(region: Region, canon, facts: Facts) -> str | None:
     return None
 
 
-def _may_share_memory(base, nodes: set, paths: set, between: bool, facts: Facts) -> str | None:
+def _may_share_memory(base, nodes: set, paths: set, between: bool, facts: Facts, exact: bool = False) -> str | None:
     """What the region reads (`between`) or keeps for its backward (in a graph that will be differentiated) that a
     changed tensor `base`, a graph input or module tensor, may be or view at run time though the graph does not
     show it: two graph inputs (`f(t, t)`), two module tensors (tied weights, views of one buffer); between the
     region's ops also an input and a module tensor. Tensors the graph makes are new; tensors of different dtypes
     are taken not to share memory (an int64 step counter, float params). Module tensors share memory exactly where
     their storages are one; a guarded graph's inputs (Dynamo's example values) do where theirs are one, and may
-    where they are not (a view of another input is not guarded)."""
-    if not isinstance(base, fx.Node) or base.op not in ("placeholder", "get_attr") or \
-            not (between or facts.differentiated):
+    where they are not (a view of another input is not guarded). `exact`: only where storages are known to be one."""
+    is_input = isinstance(base, fx.Node) and base.op == "placeholder"
+    if not (is_input or module_tensor_path(base) is not None) or not (between or facts.differentiated):
         return None
     candidates = [n for n in nodes if isinstance(n, fx.Node) and n.op in ("placeholder", "get_attr") and n is not base]
-    candidates += [Attr(path) for path in sorted(paths)]
+    candidates += [Attr(path) for path in sorted(paths) if path != module_tensor_path(base)]
     for candidate in candidates:
         what = describe(candidate) if isinstance(candidate, fx.Node) else f"`{candidate.path}`"
         changed, read = _storage_of(base, facts), _storage_of(candidate, facts)
         if changed is not None and read is not None:
             if changed[0] == read[0]:
                 return what
-            if base.op == "get_attr" and (isinstance(candidate, Attr) or candidate.op == "get_attr"):
-                continue  # two module tensors of their own storages: fixed for the graph's life
+            if exact or (not is_input and module_tensor_path(candidate) is not None):
+                continue  # two module tensors of their own storages (running statistics): fixed for the graph's life
             # Dynamo guards an input passed twice, not a view of another: other storages prove nothing there
         dtypes = {getattr(t, "dtype", None) for t in (facts.tensor(base), facts.tensor(candidate))}
         if len(dtypes) == 2 and None not in dtypes:
             continue
-        both_inputs = base.op == "placeholder" and isinstance(candidate, fx.Node) and candidate.op == "placeholder"
+        both_inputs = is_input and isinstance(candidate, fx.Node) and candidate.op == "placeholder"
         if both_inputs or between:
             return what
     return None
+
+
+def module_tensor_path(obj) -> str | None:
+    """The dotted path of a module tensor (an Attr, or a get_attr node), else None."""
+    if isinstance(obj, Attr):
+        return obj.path
+    return obj.target if isinstance(obj, fx.Node) and obj.op == "get_attr" else None
 
 
 def _storage_of(obj, facts: Facts):

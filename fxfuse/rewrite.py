@@ -11,6 +11,7 @@ import math
 import numbers
 import operator
 import re
+import warnings
 
 import torch
 import torch.fx as fx
@@ -19,7 +20,7 @@ import torch.nn as nn
 from .canonicalize import LINEAR, Attr, augmented_assignment, canonicalize, has_call_hooks, hooks_of
 from .epilogue import EPILOGUE_OPS, POINTWISE
 from .library import gemm_epilogue, gemm_epilogue_train
-from .match import Facts, Region, find_region
+from .match import Facts, Region, find_region, module_tensor, module_tensor_path
 from .report import FusedRow, MissRow, Report
 
 logger = logging.getLogger("fxfuse")
@@ -39,7 +40,11 @@ def location_of(node: fx.Node) -> str:
 
 
 def _tensor_node(graph: fx.Graph, obj):
-    return graph.get_attr(obj.path) if isinstance(obj, Attr) else obj
+    if not isinstance(obj, Attr):
+        return obj
+    with warnings.catch_warnings():  # a parametrized weight (spectral_norm) is a property: read as eager reads it
+        warnings.filterwarnings("ignore", message="Attempted to insert a get_attr Node with no underlying reference")
+        return graph.get_attr(obj.path)
 
 
 def _behaves_differently_in_training(module: nn.Module) -> bool:
@@ -146,6 +151,17 @@ def require_dtype(x: torch.Tensor, dtypes: tuple, ops: str) -> None:
                            "torch.compile(model, backend='fxfuse')")
 
 
+def require_no_function_transform(x: torch.Tensor) -> None:
+    """Called by optimize()'s rewritten graphs before each fused op: torch.func's transforms (jvp, jacfwd, vmap,
+    grad) do not reach into a torch.library op without rules of its own, and jvp would give it a zero tangent
+    silently. (Dynamo sees the transform itself, compiling this graph or the backend's.) `x`: as
+    require_eval_mode's."""
+    if not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active():
+        raise RuntimeError("fxfuse: torch.func transforms (jvp, jacfwd, vmap, grad) do not go through fxfuse's fused "
+                           "ops, which have no forward-mode or batching rule; use torch.autograd, or apply the "
+                           "transform to the model as it was before fxfuse.optimize()")
+
+
 def number_as_tensor(value):
     """Called by rewritten graphs for a forward argument that the matcher took for a tensor without example inputs:
     a number passed there (Python's or NumPy's) becomes a 0-d CPU tensor, which torch's ops read at full precision
@@ -161,8 +177,8 @@ def _maybe_number(node) -> bool:
 
 
 # What a rewritten graph calls beside its fused ops.
-GRAPH_HELPERS = (require_eval_mode, require_settings, require_matrix, require_rank, require_dtype, number_as_tensor,
-                 augmented_assignment)
+GRAPH_HELPERS = (require_eval_mode, require_settings, require_matrix, require_rank, require_dtype,
+                 require_no_function_transform, number_as_tensor, augmented_assignment)
 
 
 def _copy_meta(node: fx.Node, source: fx.Node, keys) -> None:
@@ -191,6 +207,8 @@ def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool,
             graph.call_function(require_rank, (region.x, region.x_rank, "input"))
         if isinstance(region.weight, fx.Node) and region.weight.op == "placeholder" and not shapes_guarded:
             graph.call_function(require_rank, (region.weight, 2, "weight"))
+        if not shapes_guarded:
+            graph.call_function(require_no_function_transform, (region.x,))
         if region.dtypes is not None and not shapes_guarded:
             names = tuple(str(dtype).removeprefix("torch.") for dtype in region.dtypes)
             graph.call_function(require_dtype, (region.x, names, " and ".join(region.dtype_ops)))
@@ -245,18 +263,38 @@ def _cannot_raise(c, canon: dict) -> bool:
         not any(isinstance(value, str) for value in c.attrs.values())
 
 
-def _drop_unused_epilogue_ops(gm: fx.GraphModule, canon: dict) -> None:
+def _feature_broadcast(c, canon: dict, gm: fx.GraphModule) -> bool:
+    """A pointwise op of a value as wide as a GEMM's output (the output, or pointwise ops of it), numbers and module
+    tensors that broadcast along the features only (shape (N,), (1, N), (1,)): whether eager raises for it does not
+    depend on the batch or the rank, which an optimize()'d graph does not fix."""
+    if c.op not in EPILOGUE_OPS or EPILOGUE_OPS[c.op].kind != POINTWISE or not c.operands:
+        return False
+    source = canon.get(c.operands[0]) if isinstance(c.operands[0], fx.Node) else None
+    if source is None or source.problem or not (source.op == LINEAR or _feature_broadcast(source, canon, gm)):
+        return False
+    for operand in c.operands[1:]:
+        if not isinstance(operand, (fx.Node, Attr)):
+            continue  # a number
+        path = module_tensor_path(operand)
+        tensor = module_tensor(gm, path) if path is not None else None
+        if tensor is None or any(size != 1 for size in tensor.shape[:-1]):
+            return False
+    return True
+
+
+def _drop_unused_epilogue_ops(gm: fx.GraphModule, canon: dict, shapes_guarded: bool) -> None:
     """Epilogue ops whose values nothing reads (`aux = h + self.b`, never used) go: they change nothing eager
     returns, and a region that took them in would give their params zero gradients where eager gives none. Only
-    those that ran on the example inputs (or Dynamo's) without raising, or that cannot raise: one eager raises for
-    (`h + b` with b of another width, `F.layer_norm(h, (13,))`) must stay to raise."""
+    those that cannot raise, or that ran on Dynamo's example values (whose guards hold the shapes), or on
+    optimize()'s where no later shape can make them raise: one eager raises for (`h + b` with b of another width,
+    `F.layer_norm(h, (13,))`, `h + y` for a forward argument y of another batch) must stay to raise."""
     covered = {n for c in canon.values() for n in c.covers}  # stand-ins of another op (max's unused indices)
     for node in reversed(list(gm.graph.nodes)):
         c = canon.get(node)
         if c is None or node.users or node in covered or c.problem or c.inplace_of is not None or c.op == LINEAR:
             continue
         ran = any(key in node.meta for key in ("val", "example_value", "tensor_meta")) and _dims_in_range(c)
-        if not ran and not _cannot_raise(c, canon):
+        if not _cannot_raise(c, canon) and not (ran and (shapes_guarded or _feature_broadcast(c, canon, gm))):
             continue
         gm.graph.erase_node(node)
         del canon[node]
@@ -272,7 +310,7 @@ def fuse_graph(gm: fx.GraphModule, where: str = "", training: bool = False, shap
     """
     report = Report()
     canon = canonicalize(gm)
-    _drop_unused_epilogue_ops(gm, canon)
+    _drop_unused_epilogue_ops(gm, canon, shapes_guarded)
     facts = Facts(gm, differentiated=training or not shapes_guarded, inputs_guarded=shapes_guarded)
     facts.position = {node: i for i, node in enumerate(gm.graph.nodes)}
     prefix = f"{where}." if where else ""

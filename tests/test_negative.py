@@ -1616,3 +1616,173 @@ def test_a_child_called_with_a_keyword_argument_is_optimized_for_it():
 def test_elementwise_max_of_two_tensors_says_what_it_is():
     model = GemmThen(lambda m, x, y: torch.max(m.fc(x), m.floor), floor=torch.randn(OUT))
     assert_not_fused(model, (rows(),), reason="elementwise max/min of two tensors is not an epilogue op")
+
+
+# ---------------------------------------------------------------- in-place changes the graph does not name (review)
+
+class DoublesInPlace(nn.Module):
+    def forward(self, t):
+        return t.mul_(2.0)
+
+
+class ChangesInputAfterItsGemm(nn.Module):
+    """The GEMM reads x, then a child changes x in place, then the chain's last op runs: eager's chain saw the old
+    x only through the GEMM, but a region that ends after the child must not move the GEMM past it."""
+
+    def __init__(self, child: nn.Module):
+        super().__init__()
+        self.fc = nn.Linear(IN, OUT)
+        self.child = child
+
+    def forward(self, x):
+        h = self.fc(x)
+        changed = self.child(x)
+        return torch.relu(h) + changed.sum()
+
+
+class Inner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(IN, OUT)
+
+    def forward(self, t):
+        t.mul_(2.0)
+        return self.fc(t).relu()
+
+
+def hooked_doubler() -> nn.Module:
+    child = DoublesInPlace()
+    child.register_forward_hook(lambda module, args, out: None)  # a logging hook: fx keeps the child as one call
+    return child
+
+
+def optimized_inner() -> nn.Module:
+    return fxfuse.optimize(Inner().eval(), (rows(),))
+
+
+@pytest.mark.parametrize("make_child", [hooked_doubler, optimized_inner], ids=["hooked", "optimized"])
+def test_a_child_kept_as_one_call_may_change_its_inputs(make_child):
+    """A hooked child and an optimized model inside are code of the user's: they changed x in place between the
+    GEMM and the chain's end, and the fused op, placed at the chain's end, read the changed x."""
+    model = ChangesInputAfterItsGemm(make_child()).eval()
+    x = rows()
+    optimized = fxfuse.optimize(model, (x.clone(),))
+    assert_reason(optimized, "`child` changes `x` between the region's ops, which read it")
+    with torch.no_grad():
+        assert_close_report(optimized(x.clone()), model(x.clone()))
+
+
+class ReadsRunningMean(nn.Module):
+    def __init__(self, functional: bool):
+        super().__init__()
+        self.fc = nn.Linear(IN, OUT)
+        self.bn = nn.BatchNorm1d(OUT, momentum=0.5)
+        self.functional = functional
+
+    def forward(self, x, z):
+        h = self.fc(x) - self.bn.running_mean
+        if self.functional:
+            s = F.batch_norm(z, self.bn.running_mean, self.bn.running_var, training=True, momentum=0.5)
+        else:
+            s = self.bn(z)  # train mode: updates running_mean in place
+        return torch.relu(h), s
+
+
+@pytest.mark.parametrize("functional", [False, True], ids=["module", "functional"])
+def test_a_batch_norm_that_updates_a_buffer_the_region_reads_ends_it(functional):
+    """Train-mode batch norm updates its running statistics in place, which aten's schema does not say."""
+    model = ReadsRunningMean(functional).train()
+    x, z = rows(), torch.randn(16, OUT) + 3.0
+    reference = copy.deepcopy(model)
+    optimized = fxfuse.optimize(model, (x, z))
+    assert_reason(optimized, "changes `bn" if functional else "`bn` changes `bn.running_mean`")
+    with torch.no_grad():
+        assert_close_report(optimized(x, z)[0], reference(x, z)[0])
+
+
+def test_a_batch_norm_updating_a_buffer_is_seen_under_the_backend():
+    model = ReadsRunningMean(functional=False).train()
+    x, z = rows(), torch.randn(16, OUT) + 3.0
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend=fxfuse.make_backend(inner="eager"))
+    with torch.no_grad():
+        assert_close_report(compiled(x, z)[0], reference(x, z)[0])
+
+
+# ---------------------------------------------------------------- calls eager takes no such arguments for (review)
+
+@pytest.mark.parametrize("call", [
+    lambda h, b: h.exp(True),
+    lambda h, b: h.relu(True),
+    lambda h, b: h.sigmoid(inplace=True),
+    lambda h, b: torch.relu(h, True),
+    lambda h, b: h.add(b, 1),
+    lambda h, b: torch.sub(h, b, 1),
+    lambda h, b: h.div(b, None),
+    lambda h, b: h.contiguous(torch.contiguous_format),
+], ids=["exp(True)", "relu(True)", "sigmoid(inplace)", "torch.relu(h, True)", "add(b, 1)", "torch.sub(h, b, 1)",
+        "div(b, None)", "contiguous(format)"])
+@pytest.mark.parametrize("with_example_inputs", [True, False])
+def test_a_call_eager_raises_for_raises_after_optimize(call, with_example_inputs):
+    """A spelling's signature served a function and its methods alike: `h.exp(True)` was taken for an in-place exp
+    and fused, and alpha or rounding_mode given by position were taken."""
+    model = GemmThen(lambda m, x, y: call(m.fc(x), m.b) * 2.0, b=torch.randn(OUT)).eval()
+    optimized = fxfuse.optimize(model, (rows(),) if with_example_inputs else None)
+    assert fused_op_count(optimized) == 0
+    for candidate in (model, optimized):
+        with pytest.raises(TypeError):
+            candidate(rows())
+
+
+# ---------------------------------------------------------------- unused ops and later shapes (review)
+
+@pytest.mark.parametrize("unused, traced, called", [
+    (lambda m, h, y: h + m.row_bias, rows(4), rows(5)),        # a buffer shaped for the example's batch
+    (lambda m, h, y: h * y, rows(4), rows(4)),                  # a forward argument, of another batch later
+    (lambda m, h, y: h.sum(2), torch.randn(2, 4, IN), rows(4)),  # a dim of the example's rank
+], ids=["batch buffer", "forward argument", "dim 2"])
+def test_an_unused_op_that_ran_on_the_examples_still_raises_for_other_shapes(unused, traced, called):
+    """An unused op that ran on the example inputs was dropped, though another shape makes eager raise for it."""
+    def forward(m, x, y):
+        h = m.fc(x)
+        unused(m, h, y)
+        return torch.relu(h)
+
+    model = GemmThen(forward, row_bias=torch.randn(4, 1)).eval()
+    y_traced = torch.randn(traced.shape[0], OUT) if traced.dim() == 2 else None
+    optimized = fxfuse.optimize(model, (traced, y_traced))
+    y_called = torch.randn(called.shape[0] + 1, OUT)
+    for candidate in (model, optimized):
+        with pytest.raises((RuntimeError, IndexError)):
+            candidate(called, y_called)
+
+
+def test_an_unused_op_of_module_vectors_is_still_dropped():
+    def forward(m, x, y):
+        h = m.fc(x)
+        _ = h * m.scale + 1.0
+        return torch.relu(h)
+
+    model = GemmThen(forward, scale=torch.randn(1, OUT)).eval()
+    assert_whole_chain_fused(model, (rows(),))
+
+
+# ---------------------------------------------------------------- nested optimized models (review)
+
+class Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(IN, OUT)
+        self.inner = fxfuse.optimize(nn.Sequential(nn.Linear(OUT, OUT), nn.ReLU()).eval(), (rows(features=OUT),))
+
+    def forward(self, x):
+        return self.inner(torch.relu(self.fc(x)) * 2.0)
+
+
+def test_an_optimized_model_inside_another_need_not_have_run_first():
+    """Its hook lookup, filled at its first call, was taken for an attribute the outer forward sets."""
+    model, x = Outer().eval(), rows()
+    optimized = fxfuse.optimize(model, (x,))
+    assert len(optimized.fxfuse_report.fused) == 1, optimized.fxfuse_report
+    with torch.no_grad():
+        assert_close_report(optimized(x), model(x))

@@ -505,3 +505,45 @@ def test_optimize_leaves_a_forward_that_switches_grad_mode_to_its_children():
     assert_gradients_match(model, optimized, [x], rtol=1e-5, atol=1e-6)
     (skipped,) = optimized.fxfuse_report.skipped
     assert "switches grad mode" in skipped.reason, skipped.reason
+
+
+@pytest.mark.parametrize("in_features, out_features", [(0, 6), (8, 0)])
+def test_a_linear_with_no_features_trains(in_features, out_features):
+    """The linear's gradients reshaped y's gradient to (-1, 0) rows: ambiguous for a tensor of no elements."""
+    model = nn.Sequential(nn.Linear(in_features, out_features), nn.ReLU()).train()
+    reference = copy.deepcopy(model)
+    x = torch.randn(5, in_features)
+    optimized = fxfuse.optimize(model, (x,))
+    assert fused_op_count(optimized) == 1
+    optimized(x).sum().backward()
+    reference(x).sum().backward()
+    for mine, theirs in zip(model.parameters(), reference.parameters()):
+        assert_close_report(mine.grad, theirs.grad, what="gradient")
+
+
+@pytest.mark.parametrize("transform", ["jvp", "jacfwd", "vmap"])
+def test_torch_func_transforms_raise_instead_of_missing_the_fused_op(transform):
+    """Under torch.func.jvp a torch.library op without a forward-mode rule gets a zero tangent, silently."""
+    model = nn.Sequential(nn.Linear(K, N), nn.ReLU()).eval()
+    x = torch.randn(M, K)
+    optimized = fxfuse.optimize(model, (x,))
+    run = {"jvp": lambda f: torch.func.jvp(f, (x,), (torch.randn_like(x),)),
+           "jacfwd": lambda f: torch.func.jacfwd(f)(x),
+           "vmap": lambda f: torch.func.vmap(f)(x.unsqueeze(0))}[transform]
+    run(model)  # eager takes it
+    with pytest.raises(RuntimeError, match="torch.func transforms"):
+        run(optimized)
+
+
+def test_optimize_leaves_a_parametrized_weights_state_as_it_was():
+    """Matching read spectral_norm's weight, whose parametrization ran power iterations on the model's buffers."""
+    from torch.nn.utils.parametrizations import spectral_norm
+
+    model = nn.Sequential(spectral_norm(nn.Linear(K, N)), nn.ReLU()).train()
+    reference = copy.deepcopy(model)
+    x = torch.randn(M, K)
+    optimized = fxfuse.optimize(model, (x,))
+    assert fused_op_count(optimized) == 1
+    for (name, mine), theirs in zip(model.named_buffers(), reference.buffers()):
+        assert torch.equal(mine, theirs), name
+    assert_close_report(optimized(x), reference(x))
