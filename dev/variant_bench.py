@@ -3,7 +3,8 @@
 Usage: python dev/variant_bench.py dev/variants/NN_name.patch  (one variant per process: each registers the op)
        python dev/variant_bench.py current                   (kernels/ as it is)
 Prints, per example program and precision (fp32 IEEE, tf32, bf16) at 1024 x 8192 -> 8192, the epilogue
-kernels' CUDA time per call (torch.profiler; the row kernel and the broadcast tail apart where there is a tail),
+kernels' CUDA time per call (torch.profiler; the row kernel and the broadcast tail apart where there is a tail, and
+the union of their intervals as fxfuse.bench reports it, since each kernel's time counts its early-launch wait),
 the share of the copy bandwidth it reaches, the whole op's time (GEMM and epilogue) over the GEMM alone's, each
 the median of 50 calls timed with CUDA events as fxfuse.bench times them, and the result's error against the
 float64 reference (||out - ref|| / ||ref||: the CUDA tests' bound is 1e-5 for fp32, 5e-4 for tf32, 1e-2 for bf16).
@@ -14,7 +15,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from fxfuse.bench import ROW_KERNELS, copy_bandwidth_gbs, time_ms
+from fxfuse.bench import ROW_KERNELS, copy_bandwidth_gbs, epilogue_kernel_us, time_ms
 from fxfuse.program import run_reference
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -48,4 +49,5 @@ for precision, dtype in (("float32", torch.float32), ("tf32", torch.float32), ("
         op_ratio = time_ms(call, [[]], runs=50) / gemm_ms
         print(f"{variant:<12} {precision:<9} {name:<10} {us:7.1f} us  floor {floor:5.1f} us  "
               f"{floor / us * 100:4.0f}% of copy bandwidth  op/GEMM {op_ratio:.3f}  error {error:.1e}"
-              + (f"  (row {kernel_us['row']:.1f} + tail {kernel_us['tail']:.1f} us)" if kernel_us["tail"] else ""))
+              + (f"  (row {kernel_us['row']:.1f} + tail {kernel_us['tail']:.1f} us, together "
+                 f"{epilogue_kernel_us(call, [], calls=20):.1f})" if kernel_us["tail"] else ""))
