@@ -259,7 +259,10 @@ Tensors epilogue_backward_cuda(const at::Tensor& grad_output, const at::Tensor& 
     for (const auto& [index, grad] : tail_grads)
       if (index == static_cast<int>(source)) add(grad.reshape({-1}));
     if (!total.defined()) total = at::zeros({param.numel()}, param.options());
-    grads.push_back(total.to(param.scalar_type()).view(param.sizes()));
+    at::Tensor grad = total.to(param.scalar_type()).view(param.sizes());
+    // A tail param of the output's shape and dtype: its sum_to_size is grad_output itself, which a Tensor[] of the
+    // op's may not return
+    grads.push_back(grad.is_alias_of(grad_output) ? grad.clone() : grad);
   }
   return grads;
 }

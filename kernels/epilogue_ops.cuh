@@ -352,7 +352,7 @@ struct BatchNorm {
 enum class Statistic {
   MeanAndRstd,        // (mean, 1 / sqrt(biased variance + eps)), two-pass over the values held on chip
   RootMeanSquare,     // (unused, 1 / sqrt(mean(x^2) + eps))
-  MaxAndLogSumExp,    // (m, log(sum(exp(x - m)))), m = the max, or 0 where the max is infinite (as logsumexp)
+  MaxAndLogSumExp,    // (m, log(sum(exp(x - m)))), m = the max (logsumexp's: 0 where the max is infinite)
   Sum,                // (sum, unused)
   Max,                // (max, unused), NaN propagates
   Min,                // (min, unused), NaN propagates

@@ -21,10 +21,11 @@
 // Limits (anything else runs the reference through fxfuse::gemm_epilogue_fallback, or gemm_epilogue_train_fallback,
 // with the reason logged):
 // fp32 / bf16 / fp16, every tensor of one dtype, contiguous x, weight, bias, on one CUDA device; M >= 1;
-// N <= 16384 (8192 for programs that keep values for later); norms and reductions over the last dim of a full
-// row (group_norm and batch_norm of a 2-D x only); group sizes off the lanes' power-of-2 grid need N <= 12288
-// (a row in 48 KB of shared memory); at most 16 instructions, 8 param uses, 2 live extra values; a broadcast
-// tail of pointwise ops only, reading the row phase's last value, at most 3 params, 4 merged dims, 2^31 outputs.
+// N <= 16384; norms and reductions over the last dim of a full row (group_norm and batch_norm of a 2-D x only);
+// group sizes off the lanes' power-of-2 grid need N <= 12288 (a row in 48 KB of shared memory); at most 16
+// instructions, 8 param uses, 2 live extra values; no NaN among a pointwise op's numbers (a clamp bound of None is
+// NaN to the functors); a broadcast tail of pointwise ops only, reading the row phase's last value, at most 3
+// params, 4 merged dims, 1 to 2^31 outputs.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -373,6 +374,8 @@ Outputs run_gemm_epilogue(const at::Tensor& x, const at::Tensor& weight, const s
   Binding binding;
   reason = bind(ctx, binding);
   if (!reason.empty()) return fallback(reason);
+  const auto& shape = binding.output_shape;  // a param with a dim of 0 broadcasts the output to nothing
+  if (std::find(shape.begin(), shape.end(), 0) != shape.end()) return fallback("empty output");
 
   std::optional<RowLayout> layout;
   int64_t shared_bytes = 0;

@@ -548,8 +548,9 @@ __device__ __forceinline__ void compute_statistic(const Ctx& ctx, const Instruct
   } else if constexpr (S == Statistic::MaxAndLogSumExp) {
     chunk_extrema<MaxOp>(ctx, cur, s0);
     group_allreduce<MaxOp>(s0, cpg, lpg, cross_warp);
+    if (ins.op == OP_logsumexp)  // torch.logsumexp's rule; softmax of a row with an inf is NaN, as torch's
 #pragma unroll
-    for (int c = 0; c < CHUNKS; ++c) s0[c] = isinf(s0[c]) ? 0.0f : s0[c];
+      for (int c = 0; c < CHUNKS; ++c) s0[c] = isinf(s0[c]) ? 0.0f : s0[c];
     chunk_sums(ctx, cur, s1, [&](int c, float v) { return expf(v - s0[c]); });
     group_allreduce<SumOp>(s1, cpg, lpg, cross_warp);
 #pragma unroll

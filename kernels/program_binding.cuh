@@ -244,13 +244,14 @@ RowShape classify(const Context& ctx, const Shape& shape) {
   return RowShape::Outside;
 }
 
-// Encodes a pointwise attribute token as the functors read it.
+// Encodes a pointwise attribute token as the functors read it. A NaN number is not taken: it would read as None
+// (clamp(x, nan) is NaN everywhere in torch, clamp(x, None) is x).
 bool encode_attribute(const Token& t, float& out) {
   switch (t.kind) {
     case Token::Number:
     case Token::Bool:
       out = static_cast<float>(t.number);
-      return true;
+      return !std::isnan(t.number);
     case Token::None:
       out = NAN;
       return true;

@@ -260,3 +260,17 @@ def test_backward_runs_on_the_current_non_default_stream():
     torch.cuda.current_stream().wait_stream(stream)
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-6)
+
+
+def test_a_tail_params_gradient_is_not_grad_output_itself(caplog):
+    """A tail param of the output's shape and dtype: its gradient, grad_output summed to its size and cast, was
+    grad_output's own memory, which the op's Tensor[] may not return (found by review); a later in-place change of
+    one changed the other."""
+    program = "amin(%0,-1,True);add(%1,$0)"  # [M, 1] + [2, M, N]
+    gemm_out, param = gemm_output(64, 128, torch.float32), torch.randn(2, 64, 128, device="cuda")
+    grad_output = torch.randn(2, 64, 128, device="cuda")
+    with caplog.at_level(logging.DEBUG, logger="fxfuse"):
+        grads = torch.ops.fxfuse.epilogue_backward(grad_output, gemm_out, [param], program, [True, True])
+    assert not [r for r in caplog.records if FALLBACK in r.getMessage()]
+    torch.testing.assert_close(grads[1], grad_output)
+    assert not grads[1]._is_view() and grads[1].untyped_storage().data_ptr() != grad_output.untyped_storage().data_ptr()

@@ -709,3 +709,62 @@ def test_rms_norm_without_eps_is_eagers_in_16_bits(dtype, caplog):
         actual, expected = optimized(x), model(x)
     assert not [r for r in caplog.records if "runs the reference" in r.getMessage()]  # the kernels ran
     assert relative_error(actual.double(), expected.double()) < BOUNDS[dtype]
+
+
+# ---------------------------------------------------------------- edge values a review found (CUDA host and kernels)
+
+def ran_the_kernels(caplog) -> bool:
+    return not [r for r in caplog.records if "runs the reference" in r.getMessage()]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("n", [1024, 1001], ids=["fast", "general"])
+@pytest.mark.parametrize("op", ["softmax", "log_softmax", "logsumexp"])
+def test_a_row_with_an_infinity_is_eagers(op, n, dtype, caplog):
+    """A row holding +inf (an fp16 GEMM output past 65504): softmax and log_softmax are NaN in every element, as in
+    torch; the kernels took logsumexp's rule (an infinite max read as 0) for all three and gave 0 and -inf."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    x, weight, bias = linear_inputs(64, 96, n, dtype)
+    weight[5], bias[5] = 0, float("inf")  # y[:, 5] is +inf in every row
+    program = f"{op}(%0,-1,False)" if op == "logsumexp" else f"{op}(%0,-1)"
+    with caplog.at_level(logging.DEBUG, logger="fxfuse"):
+        actual = torch.ops.fxfuse.gemm_epilogue(x, weight, bias, [], program)
+    expected = run_reference(x, weight, bias, [], program)  # eager's ops on the GPU, in the dtype
+    assert ran_the_kernels(caplog)
+    torch.testing.assert_close(actual, expected, equal_nan=True)
+
+
+@pytest.mark.parametrize("program", ["clamp(%0,nan,1.0)", "clamp(%0,-1.0,nan)", "clamp(%0,nan,None)"])
+def test_a_clamp_bound_of_nan_is_not_no_bound(program):
+    """The kernels read None as NaN, and a NaN bound as None: torch's clamp with a NaN bound is NaN everywhere."""
+    x, weight, bias = linear_inputs(64, 96, 128, torch.float32)
+    actual = torch.ops.fxfuse.gemm_epilogue(x, weight, bias, [], program)
+    assert torch.isnan(run_reference(x, weight, bias, [], program)).all()
+    assert torch.isnan(actual).all(), f"{int((~torch.isnan(actual)).sum())} elements are not NaN"
+
+
+EMPTY_OUTPUT = """
+import torch
+from fxfuse import kernels
+from fxfuse.program import run_reference
+assert kernels.load()
+x, weight = torch.randn(4, 16, device="cuda"), torch.randn({n}, 16, device="cuda")
+bias = torch.randn({n}, device="cuda")
+params = [torch.randn({shape}, device="cuda")]
+expected = run_reference(x, weight, bias, params, "{program}")
+for op in (torch.ops.fxfuse.gemm_epilogue, lambda *a: torch.ops.fxfuse.gemm_epilogue_train(*a)[0]):
+    assert op(x, weight, bias, params, "{program}").shape == expected.shape
+torch.cuda.synchronize()
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("n, shape, program", [(16, (0, 1, 1), "add(%0,$0)"),
+                                               (16, (0, 1, 1), "amin(%0,-1,True);add(%1,$0)"),
+                                               (1, (0,), "relu(%0);add(%1,$0)")])
+def test_a_param_that_broadcasts_the_output_to_nothing(n, shape, program):
+    """A param with a dim of 0 makes eager's result empty: the broadcast tail's setup divided by that 0 on the host
+    (SIGFPE: the process died). A process of its own, so that a crash fails this test alone."""
+    code = EMPTY_OUTPUT.format(n=n, shape=shape, program=program)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "ok" in result.stdout, (result.returncode, result.stderr[-2000:])
