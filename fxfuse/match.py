@@ -104,6 +104,17 @@ class Facts:
                                            if (mutated := _mutated_by(node, canon, self.gm))]
         return self.__dict__["_mutations"]
 
+    def module_storages(self, path: str) -> frozenset:
+        """The storages of the parameters and buffers of the module at `path` (found once a module)."""
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        cache = self.__dict__.setdefault("_module_storages", {})
+        if path not in cache:
+            module = _get_attr(self.gm, path)
+            tensors = (*module.parameters(), *module.buffers()) if isinstance(module, nn.Module) else ()
+            cache[path] = frozenset(StorageWeakRef(t.untyped_storage()) for t in tensors if t.device.type != "meta")
+        return cache[path]
+
     @functools.cached_property
     def mode_switches(self) -> list[fx.Node]:
         """The nodes that start or end an autocast block or change grad mode (Dynamo's graphs hold them)."""
@@ -323,8 +334,10 @@ class _Growth:
         if c.op == LINEAR:
             return Boundary(f"{describe(node)} is another GEMM")
         if not node.users and c.inplace_of is None:
-            # rewrite drops such an op only where it ran on example inputs: one that eager raises for must stay,
-            # and one taken in would give its params zero gradients where eager gives none
+            # rewrite drops such an op only where eager cannot raise for it at a later call: one that eager raises
+            # for must stay, and one taken in would give its params zero gradients where eager gives none
+            if any(key in node.meta for key in ("val", "example_value", "tensor_meta")):
+                return f"the value of {describe(node)} is never used, and another shape may make eager raise for it"
             return f"the value of {describe(node)} is never used (with example inputs it would be dropped)"
         switch = self.mode_switch_before(node)
         if switch is not None:  # the fused op runs where the region's last op was, under that op's modes
@@ -672,57 +685,91 @@ def _mutated_by(node: fx.Node, canon, gm: fx.GraphModule) -> list:
         mutated.extend(_written_by_schema(node))
         if _opaque(node.target):  # a Python function of the user's (torch.fx.wrap): it may change any tensor given
             mutated.extend(node.all_input_nodes)
-        mutated.extend(_running_statistics_updated(node))
+        mutated.extend(OwnState(s) for s in _running_statistics_updated(node) if s is not None)
     if node.op == "call_module":
         module = gm.get_submodule(node.target)
-        if has_call_hooks(module) or not _torch_module(module):  # a hooked module, an optimized model inside: code
-            mutated.extend(node.all_input_nodes)                  # of the user's, which may change its inputs
-            mutated.extend(Attr(f"{node.target}.{name}") for name, _ in _module_tensors(module))  # and its own
+        if has_call_hooks(module) or not _torch_module(module) or "forward" in vars(module):
+            # a hooked module, an optimized model inside, a forward of the user's: code that may change its inputs
+            mutated.extend(node.all_input_nodes)
+            mutated.append(OwnState(ModuleState(str(node.target))))  # and its own tensors
         elif getattr(module, "running_mean", None) is not None:  # BatchNorm, InstanceNorm: updated in train mode
-            mutated.extend(Attr(f"{node.target}.{name}") for name, _ in module.named_buffers())
+            mutated.extend(OwnState(Attr(f"{node.target}.{name}")) for name, _ in module.named_buffers())
     return [m for m in mutated if m is not None]
+
+
+@dataclass(frozen=True)
+class ModuleState:
+    """Every parameter and buffer of the module at `path`."""
+    path: str
+
+    def __str__(self):
+        return f"{self.path}'s tensors"
+
+
+@dataclass(frozen=True)
+class OwnState:
+    """A change of a module's own state (a norm's running statistics, a hooked module's tensors): tensors that
+    view no other, so they share memory with what a region reads only where the storages are one, known at match
+    time; where a storage is unknown (an optimize() graph's inputs) they are taken apart. `tensor`: a graph node
+    (Dynamo's lifted buffer), an Attr or a ModuleState."""
+    tensor: Any
 
 
 def _torch_module(module: nn.Module) -> bool:
     return type(module).__module__.startswith(("torch.nn.", "torch.ao.nn."))
 
 
-def _module_tensors(module: nn.Module):
-    yield from module.named_parameters()
-    yield from module.named_buffers()
-
-
-# Functions that update their running statistics in training mode: (where running_mean and running_var are, by
-# position, and the training flag's name). Dynamo records nn.BatchNorm1d as F.batch_norm(x, mean, var, ..., True).
+# Calls that update their running statistics in training mode, and their training flag's name (in every spelling
+# the statistics are `running_mean` and `running_var`); aten's batch_norm schemas do not mark them written, and
+# Dynamo records nn.BatchNorm1d as F.batch_norm(x, mean, var, ..., True).
 _RUNNING_STATISTICS = {
-    F.batch_norm: (1, 2, "training"),
-    F.instance_norm: (1, 2, "use_input_stats"),
-    torch.batch_norm: (3, 4, "training"),
-    torch.instance_norm: (3, 4, "use_input_stats"),
+    F.batch_norm: "training", torch.batch_norm: "training", torch.native_batch_norm: "training",
+    torch.ops.aten.batch_norm: "training", torch.ops.aten.native_batch_norm: "training",
+    F.instance_norm: "use_input_stats", torch.instance_norm: "use_input_stats",
+    torch.ops.aten.instance_norm: "use_input_stats",
 }
+_RUNNING_STATISTICS.update({getattr(torch, name): "training" for name in (
+    "_native_batch_norm_legit", "cudnn_batch_norm", "miopen_batch_norm") if hasattr(torch, name)})
 
 
 def _running_statistics_updated(node: fx.Node) -> list:
     """The running statistics a batch or instance norm call updates in place: those it is given, unless its
-    training flag is literally False (aten's batch_norm schema does not mark them written)."""
+    training flag is literally False."""
+    packet = node.target.overloadpacket if isinstance(node.target, torch._ops.OpOverload) else node.target
     try:
-        where = _RUNNING_STATISTICS.get(node.target)
+        flag = _RUNNING_STATISTICS.get(packet)
     except TypeError:  # an unhashable target
         return []
-    if where is None:
+    if flag is None:
         return []
-    mean_index, var_index, flag = where
-    for signature in signatures_of(node.target):
+    for arguments in _bindings(node):
+        if arguments.get(flag) is False:
+            return []
+        return [arguments.get("running_mean"), arguments.get("running_var")]
+    return []
+
+
+def _bindings(node: fx.Node):
+    """The call's arguments by name (defaults filled in), for each signature or schema of its target that takes
+    them: an aten operator's from its schemas."""
+    target = node.target
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        overloads = [target] if isinstance(target, torch._ops.OpOverload) else \
+            [getattr(target, name) for name in target.overloads()]
+        for schema in (overload._schema for overload in overloads):
+            names = [argument.name for argument in schema.arguments]
+            if len(node.args) > len(names) or not set(node.kwargs) <= set(names):
+                continue
+            arguments = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
+            yield {**arguments, **dict(zip(names, node.args)), **node.kwargs}
+        return
+    for signature in signatures_of(target):
         try:
             bound = signature.bind(*node.args, **node.kwargs)
         except TypeError:
             continue
         bound.apply_defaults()
-        if bound.arguments.get(flag) is False:
-            return []
-        names = list(signature.parameters)
-        return [bound.arguments.get(names[mean_index]), bound.arguments.get(names[var_index])]
-    return []
+        yield bound.arguments
 
 
 # Dynamo records `x //= 2` as operator.ifloordiv(x, 2), optimize()'s trace as augmented_assignment: every
@@ -780,17 +827,19 @@ def _inplace_argument(node: fx.Node) -> bool:
     return False
 
 
-def _bases(tensor, canon, through_in_place=True) -> set:
+def _bases(tensor, canon, through_in_place=True, stop=None) -> set:
     """`tensor` and every tensor it may be a view of: back through the inputs of every op but the epilogue ops and
     GEMMs of the vocabulary, which make tensors of their own (`y[:, :]`, `y.view(-1)`, `nn.Identity()(y)`,
-    `torch.broadcast_tensors(t, y)[1]` lead to `y`), and (`through_in_place`) their in-place spellings."""
+    `torch.broadcast_tensors(t, y)[1]` lead to `y`), and (`through_in_place`) their in-place spellings; not back
+    through `stop` (what it returns is read after its changes)."""
     bases, stack = set(), [tensor]
     while stack:
         node = stack.pop()
         if node in bases:
             continue
         bases.add(node)
-        if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method", "call_module"):
+        if node is stop or not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method",
+                                                                            "call_module"):
             continue
         c = canon.get(node)
         if c is not None and c.op not in (IDENTITY, COVERED) and not c.problem and (
@@ -805,39 +854,78 @@ def _mutation_problem(region: Region, canon, facts: Facts) -> str | None:
     the region reads (in place, through a view of it, by `out=` or by item assignment), or the fused op would read
     it changed where eager read it unchanged."""
     members = set(region.members)
-    read_nodes = {o for o in (region.x, region.weight, region.bias, *region.params) if isinstance(o, fx.Node)}
-    # x = buf[:4] reads buf; z.add_(1) read after it ran is not a read of z before it
-    read_nodes = {base for node in read_nodes for base in _bases(node, canon, through_in_place=False)}
-    read_paths = {o.path for o in (region.weight, region.bias, *region.params) if isinstance(o, Attr)}
-    # The fused op keeps its epilogue operands and bias for its backward, where eager's ops may keep none of them
-    # (an add keeps nothing): one changed in place after the region would make its backward raise.
-    kept_nodes = {base for o in (region.bias, *region.params) if isinstance(o, fx.Node)
-                  for base in _bases(o, canon, through_in_place=False)}
-    kept_paths = {o.path for o in (region.bias, *region.params) if isinstance(o, Attr)}
     first = min(facts.position[m] for m in members)
     last = max(facts.position[m] for m in members)
+    reads = _region_reads(region, canon)
     for node, mutations in facts.mutations(canon):
         position = facts.position.get(node)  # None: fused into an earlier region
         if node in members or position is None or position <= first:
             continue
         between = position < last
-        nodes, paths = (read_nodes, read_paths) if between else (kept_nodes, kept_paths)
-        paths = paths | {n.target for n in nodes if isinstance(n, fx.Node) and n.op == "get_attr"}
-        # A norm's running statistics are its module's own buffers, views of no other tensor: only the same storage
-        # is the same memory (Dynamo lifts them to inputs, which may alias as far as it guards).
-        exact = bool(_running_statistics_updated(node))
-        for mutated in mutations:  # an earlier region's value: its fused op's now
-            for base in _bases(facts.resolve(mutated), canon):
-                if base in nodes or module_tensor_path(base) in paths:
-                    if between:
-                        return f"{describe(node)} changes {describe(base)} between the region's ops, which read it"
-                    return (f"{describe(node)} changes {describe(base)} after the region, whose fused op keeps it "
-                            "for its backward")
-                shared = _may_share_memory(base, nodes, paths, between, facts, exact)
-                if shared is not None:
-                    when = "between the region's ops, which read" if between else \
-                        "after the region, whose fused op keeps for its backward"
-                    return f"{describe(node)} changes {describe(base)} {when} {shared}: they may share memory"
+        problem = _change_problem(node, mutations, reads, between, canon, facts)
+        if problem is not None:  # again without what the region reads of `node`'s own result, which sees its changes
+            problem = _change_problem(node, mutations, _region_reads(region, canon, stop=node), between, canon, facts)
+        if problem is not None:
+            return problem
+    return None
+
+
+def _region_reads(region: Region, canon, stop=None) -> dict:
+    """What the region reads (x, the weight, bias and params, and what they view) and keeps for its backward (its
+    epilogue operands and bias, where eager's ops may keep none: one changed after the region would make its
+    backward raise): {"read": (nodes, paths), "kept": (nodes, paths)}. x = buf[:4] reads buf; z.add_(1) read after
+    it ran is not a read of z before it."""
+    def bases(objs):
+        return {base for o in objs if isinstance(o, fx.Node) for base in _bases(o, canon, False, stop)}
+
+    def paths(objs, nodes):
+        return {o.path for o in objs if isinstance(o, Attr)} | \
+            {n.target for n in nodes if isinstance(n, fx.Node) and n.op == "get_attr"}
+
+    read, kept = (region.x, region.weight, region.bias, *region.params), (region.bias, *region.params)
+    read_nodes, kept_nodes = bases(read), bases(kept)
+    return {"read": (read_nodes, paths(read, read_nodes)), "kept": (kept_nodes, paths(kept, kept_nodes))}
+
+
+def _change_problem(node: fx.Node, mutations: list, reads: dict, between: bool, canon, facts: Facts) -> str | None:
+    """Why `node`'s changes (`mutations`, _mutated_by's) break a region whose reads are `reads`, or None."""
+    nodes, paths = reads["read" if between else "kept"]
+    when = "between the region's ops, which read" if between else \
+        "after the region, whose fused op keeps for its backward"
+    for mutated in mutations:
+        exact = isinstance(mutated, OwnState)
+        target = mutated.tensor if exact else mutated
+        if isinstance(target, ModuleState):
+            under = target.path + "."
+            hit = next((p for p in sorted(paths) if p.startswith(under)), None)
+            if hit is not None:
+                return f"{describe(node)} may change `{hit}` {when} it"
+            shared = _shares_module_storage(target, nodes, paths, facts)
+            if shared is not None:
+                return f"{describe(node)} may change {target} {when} {shared}: they share memory"
+            continue
+        for base in _bases(facts.resolve(target), canon):  # an earlier region's value: its fused op's now
+            if base in nodes or module_tensor_path(base) in paths:
+                if between:
+                    return f"{describe(node)} changes {describe(base)} between the region's ops, which read it"
+                return (f"{describe(node)} changes {describe(base)} after the region, whose fused op keeps it "
+                        "for its backward")
+            shared = _may_share_memory(base, nodes, paths, between, facts, exact)
+            if shared is not None:
+                return f"{describe(node)} changes {describe(base)} {when} {shared}: they may share memory"
+    return None
+
+
+def _shares_module_storage(state: ModuleState, nodes: set, paths: set, facts: Facts) -> str | None:
+    """What the region reads or keeps whose storage, known at match time, is one of the module's tensors'."""
+    storages = facts.module_storages(state.path)
+    if not storages:
+        return None
+    candidates = [n for n in nodes if isinstance(n, fx.Node) and n.op in ("placeholder", "get_attr")]
+    for candidate in candidates + [Attr(path) for path in sorted(paths)]:
+        storage = _storage_of(candidate, facts)
+        if storage is not None and storage[0] in storages:
+            return describe(candidate) if isinstance(candidate, fx.Node) else f"`{candidate.path}`"
     return None
 
 
@@ -848,7 +936,8 @@ def _may_share_memory(base, nodes: set, paths: set, between: bool, facts: Facts,
     region's ops also an input and a module tensor. Tensors the graph makes are new; tensors of different dtypes
     are taken not to share memory (an int64 step counter, float params). Module tensors share memory exactly where
     their storages are one; a guarded graph's inputs (Dynamo's example values) do where theirs are one, and may
-    where they are not (a view of another input is not guarded). `exact`: only where storages are known to be one."""
+    where they are not (a view of another input is not guarded). `exact` (OwnState): only where storages are known
+    to be one."""
     is_input = isinstance(base, fx.Node) and base.op == "placeholder"
     if not (is_input or module_tensor_path(base) is not None) or not (between or facts.differentiated):
         return None
@@ -863,6 +952,8 @@ def _may_share_memory(base, nodes: set, paths: set, between: bool, facts: Facts,
             if exact or (not is_input and module_tensor_path(candidate) is not None):
                 continue  # two module tensors of their own storages (running statistics): fixed for the graph's life
             # Dynamo guards an input passed twice, not a view of another: other storages prove nothing there
+        elif exact:
+            continue  # a module's own state views nothing else
         dtypes = {getattr(t, "dtype", None) for t in (facts.tensor(base), facts.tensor(candidate))}
         if len(dtypes) == 2 and None not in dtypes:
             continue

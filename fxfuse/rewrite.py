@@ -263,23 +263,30 @@ def _cannot_raise(c, canon: dict) -> bool:
         not any(isinstance(value, str) for value in c.attrs.values())
 
 
-def _feature_broadcast(c, canon: dict, gm: fx.GraphModule) -> bool:
-    """A pointwise op of a value as wide as a GEMM's output (the output, or pointwise ops of it), numbers and module
-    tensors that broadcast along the features only (shape (N,), (1, N), (1,)): whether eager raises for it does not
-    depend on the batch or the rank, which an optimize()'d graph does not fix."""
-    if c.op not in EPILOGUE_OPS or EPILOGUE_OPS[c.op].kind != POINTWISE or not c.operands:
+def _shape_proof(c, canon: dict, gm: fx.GraphModule) -> bool:
+    """Whether eager's raising for `c` cannot depend on the batch or the rank, which an optimize()'d graph does not
+    fix: a pointwise op, or a reduction or softmax over dim -1, of one value as wide as a GEMM's output (the output,
+    or pointwise ops of it), numbers and module tensors that broadcast along the features only ((N,), (1, N))."""
+    op = EPILOGUE_OPS.get(c.op)
+    if op is None or not (op.kind == POINTWISE or op.feature_dim_attr and c.attrs.get(op.feature_dim_attr) == -1):
         return False
-    source = canon.get(c.operands[0]) if isinstance(c.operands[0], fx.Node) else None
-    if source is None or source.problem or not (source.op == LINEAR or _feature_broadcast(source, canon, gm)):
-        return False
-    for operand in c.operands[1:]:
-        if not isinstance(operand, (fx.Node, Attr)):
-            continue  # a number
+    wide = [o for o in c.operands if isinstance(o, fx.Node) and _gemm_wide(o, canon, gm)]
+    for operand in c.operands:
+        if operand in wide or not isinstance(operand, (fx.Node, Attr)):
+            continue  # the value, a number or None
         path = module_tensor_path(operand)
         tensor = module_tensor(gm, path) if path is not None else None
         if tensor is None or any(size != 1 for size in tensor.shape[:-1]):
             return False
-    return True
+    return len(wide) == 1
+
+
+def _gemm_wide(node: fx.Node, canon: dict, gm: fx.GraphModule) -> bool:
+    c = canon.get(node)
+    if c is None or c.problem:
+        return False
+    return c.op == LINEAR or EPILOGUE_OPS.get(c.op) is not None and EPILOGUE_OPS[c.op].kind == POINTWISE and \
+        _shape_proof(c, canon, gm)
 
 
 def _drop_unused_epilogue_ops(gm: fx.GraphModule, canon: dict, shapes_guarded: bool) -> None:
@@ -294,7 +301,7 @@ def _drop_unused_epilogue_ops(gm: fx.GraphModule, canon: dict, shapes_guarded: b
         if c is None or node.users or node in covered or c.problem or c.inplace_of is not None or c.op == LINEAR:
             continue
         ran = any(key in node.meta for key in ("val", "example_value", "tensor_meta")) and _dims_in_range(c)
-        if not _cannot_raise(c, canon) and not (ran and (shapes_guarded or _feature_broadcast(c, canon, gm))):
+        if not _cannot_raise(c, canon) and not (ran and (shapes_guarded or _shape_proof(c, canon, gm))):
             continue
         gm.graph.erase_node(node)
         del canon[node]

@@ -1786,3 +1786,107 @@ def test_an_optimized_model_inside_another_need_not_have_run_first():
     assert len(optimized.fxfuse_report.fused) == 1, optimized.fxfuse_report
     with torch.no_grad():
         assert_close_report(optimized(x), model(x))
+
+
+# ---------------------------------------------------------------- a norm's own state, and over-refusals (review)
+
+class BasicBlock(nn.Module):
+    """torchvision's BasicBlock order with Linear and BatchNorm1d: the downsample reads x after the main path's
+    norms ran."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.bn1 = nn.Linear(IN, OUT), nn.BatchNorm1d(OUT)
+        self.fc2, self.bn2 = nn.Linear(OUT, OUT), nn.BatchNorm1d(OUT)
+        self.down = nn.Sequential(nn.Linear(IN, OUT), nn.BatchNorm1d(OUT))
+
+    def forward(self, x):
+        out = self.bn2(self.fc2(F.relu(self.bn1(self.fc1(x)))))
+        return F.relu(out + self.down(x))
+
+
+class GatedByANorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.bn = nn.Linear(IN, IN), nn.BatchNorm1d(IN)
+
+    def forward(self, x):
+        return torch.sigmoid(self.fc(x)) * self.bn(x)
+
+
+def test_a_norms_running_statistics_are_no_view_of_the_input():
+    """Every BatchNorm module call was taken to change its statistics, which an input might view: an eval-mode
+    block lost a region."""
+    model = BasicBlock().eval()
+    for bn in (model.bn1, model.bn2, model.down[1]):
+        bn.running_mean.uniform_(-1, 1)
+    assert_fuses(model, (rows(),), regions=3)
+
+
+@pytest.mark.parametrize("entry", ["optimize", "backend"])
+def test_a_region_reading_a_train_mode_norms_output_fuses(entry):
+    """What the region reads of the norm is its output, made after the norm's changes: the walk back from it to
+    the statistics the norm changes found them 'read'."""
+    torch._dynamo.reset()
+    model = GatedByANorm().train()
+    reference, x = copy.deepcopy(model), rows(features=IN)
+    if entry == "optimize":
+        optimized = fxfuse.optimize(model, (x,))
+        fused = len(optimized.fxfuse_report.fused)
+    else:
+        backend = fxfuse.make_backend(inner="eager")
+        optimized = torch.compile(model, backend=backend)
+        optimized(x.clone())
+        fused = sum(len(report.fused) for report in backend.reports)
+        reference(x.clone())  # the same step of the statistics
+    assert fused == 1
+    assert_close_report(optimized(x), reference(x))
+    torch._dynamo.reset()
+
+
+class NormsItsBuffers(nn.Module):
+    def __init__(self, spelling):
+        super().__init__()
+        self.fc, self.spelling = nn.Linear(IN, OUT), spelling
+        self.register_buffer("mean", torch.zeros(OUT))
+        self.register_buffer("var", torch.ones(OUT))
+
+    def forward(self, x, y):
+        h = self.fc(x) + self.mean  # reads mean before the update
+        args = (y, None, None, self.mean, self.var, True, 0.5, 1e-5)
+        normed = {"native": lambda: torch.native_batch_norm(*args)[0],
+                  "aten": lambda: torch.ops.aten.batch_norm(*args, False)}[self.spelling]()
+        return torch.relu(h) * normed
+
+
+@pytest.mark.parametrize("spelling", ["native", "aten"])
+def test_other_batch_norm_spellings_update_their_statistics(spelling):
+    model = NormsItsBuffers(spelling).train()
+    x, y = rows(), torch.randn(BATCH, OUT) * 3 + 2
+    reference = copy.deepcopy(model)
+    optimized = fxfuse.optimize(model, (x, y))
+    assert_reason(optimized, "changes `mean")
+    with torch.no_grad():
+        assert_close_report(optimized(x, y), reference(x, y))
+
+
+def test_a_module_with_a_forward_of_its_own_is_user_code():
+    child = nn.Tanh()
+    child.forward = lambda t: t.mul_(2.0)  # an instance forward: fx keeps the call whole
+    model = ChangesInputAfterItsGemm(child).eval()
+    x = rows()
+    optimized = fxfuse.optimize(model, (x.clone(),))
+    with torch.no_grad():
+        assert_close_report(optimized(x.clone()), model(x.clone()))
+
+
+@pytest.mark.parametrize("unused", [lambda m, h: h.mean(-1), lambda m, h: h.softmax(-1), lambda m, h: m.b + h],
+                         ids=["mean(-1)", "softmax(-1)", "vector first"])
+def test_an_unused_op_over_the_features_is_dropped(unused):
+    """Eager raises for these at no later shape: they go, and the region fuses."""
+    def forward(m, x, y):
+        h = m.fc(x)
+        unused(m, h)
+        return torch.relu(h)
+
+    assert_whole_chain_fused(GemmThen(forward, b=torch.randn(OUT)).eval(), (rows(),))
