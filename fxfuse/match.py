@@ -110,7 +110,7 @@ class Facts:
 
         cache = self.__dict__.setdefault("_module_storages", {})
         if path not in cache:
-            module = _get_attr(self.gm, path)
+            module = _get_attr(self.gm, path) if path else self.gm
             tensors = (*module.parameters(), *module.buffers()) if isinstance(module, nn.Module) else ()
             cache[path] = frozenset(StorageWeakRef(t.untyped_storage()) for t in tensors if t.device.type != "meta")
         return cache[path]
@@ -683,15 +683,17 @@ def _mutated_by(node: fx.Node, canon, gm: fx.GraphModule) -> list:
         mutated.append(node.args[1])  # (`n *= 2` of an int changes nothing)
     if node.op == "call_function":
         mutated.extend(_written_by_schema(node))
-        if _opaque(node.target):  # a Python function of the user's (torch.fx.wrap): it may change any tensor given
-            mutated.extend(node.all_input_nodes)
+        if _opaque(node.target):  # a Python function of the user's (torch.fx.wrap): it may change any tensor given,
+            mutated.extend(node.all_input_nodes)  # and any module's while a region runs
+            mutated.append(OwnState(ModuleState("", while_running_only=True)))
         mutated.extend(OwnState(s) for s in _running_statistics_updated(node) if s is not None)
     if node.op == "call_module":
         module = gm.get_submodule(node.target)
         if has_call_hooks(module) or not _torch_module(module) or "forward" in vars(module):
             # a hooked module, an optimized model inside, a forward of the user's: code that may change its inputs
             mutated.extend(node.all_input_nodes)
-            mutated.append(OwnState(ModuleState(str(node.target))))  # and its own tensors
+            mutated.append(OwnState(ModuleState(str(node.target))))  # and its own tensors, and (a hook's code) any
+            mutated.append(OwnState(ModuleState("", while_running_only=True)))  # module's while a region runs
         elif getattr(module, "running_mean", None) is not None:  # BatchNorm, InstanceNorm: updated in train mode
             mutated.extend(OwnState(Attr(f"{node.target}.{name}")) for name, _ in module.named_buffers())
     return [m for m in mutated if m is not None]
@@ -699,11 +701,17 @@ def _mutated_by(node: fx.Node, canon, gm: fx.GraphModule) -> list:
 
 @dataclass(frozen=True)
 class ModuleState:
-    """Every parameter and buffer of the module at `path`."""
+    """Every parameter and buffer of the module at `path` ("": the whole model's). `while_running_only`: a change
+    that matters between a region's ops only (user code may change another module's tensors, say a bias a region
+    reads, but one that did so after every region would stop them all)."""
     path: str
+    while_running_only: bool = False
+
+    def covers(self, path: str) -> bool:
+        return not self.path or path.startswith(self.path + ".")
 
     def __str__(self):
-        return f"{self.path}'s tensors"
+        return f"{self.path}'s tensors" if self.path else "the model's tensors"
 
 
 @dataclass(frozen=True)
@@ -896,8 +904,9 @@ def _change_problem(node: fx.Node, mutations: list, reads: dict, between: bool, 
         exact = isinstance(mutated, OwnState)
         target = mutated.tensor if exact else mutated
         if isinstance(target, ModuleState):
-            under = target.path + "."
-            hit = next((p for p in sorted(paths) if p.startswith(under)), None)
+            if target.while_running_only and not between:
+                continue
+            hit = next((p for p in sorted(paths) if target.covers(p)), None)
             if hit is not None:
                 return f"{describe(node)} may change `{hit}` {when} it"
             shared = _shares_module_storage(target, nodes, paths, facts)

@@ -267,8 +267,9 @@ def _shape_proof(c, canon: dict, gm: fx.GraphModule) -> bool:
     """Whether eager's raising for `c` cannot depend on the batch or the rank, which an optimize()'d graph does not
     fix: a pointwise op, or a reduction or softmax over dim -1, of one value as wide as a GEMM's output (the output,
     or pointwise ops of it), numbers and module tensors that broadcast along the features only ((N,), (1, N))."""
-    op = EPILOGUE_OPS.get(c.op)
-    if op is None or not (op.kind == POINTWISE or op.feature_dim_attr and c.attrs.get(op.feature_dim_attr) == -1):
+    op = EPILOGUE_OPS.get(c.op)  # (batch_norm, pointwise with per-feature operands, reads dim 1: rank-bound)
+    if op is None or op.feature_operands or \
+            not (op.kind == POINTWISE or op.feature_dim_attr and c.attrs.get(op.feature_dim_attr) == -1):
         return False
     wide = [o for o in c.operands if isinstance(o, fx.Node) and _gemm_wide(o, canon, gm)]
     for operand in c.operands:
@@ -282,11 +283,13 @@ def _shape_proof(c, canon: dict, gm: fx.GraphModule) -> bool:
 
 
 def _gemm_wide(node: fx.Node, canon: dict, gm: fx.GraphModule) -> bool:
+    """A GEMM's output whose weight is the model's (a forward argument's width may change), or pointwise ops of it."""
     c = canon.get(node)
     if c is None or c.problem:
         return False
-    return c.op == LINEAR or EPILOGUE_OPS.get(c.op) is not None and EPILOGUE_OPS[c.op].kind == POINTWISE and \
-        _shape_proof(c, canon, gm)
+    if c.op == LINEAR:
+        return module_tensor_path(c.operands[1]) is not None
+    return EPILOGUE_OPS.get(c.op) is not None and EPILOGUE_OPS[c.op].kind == POINTWISE and _shape_proof(c, canon, gm)
 
 
 def _drop_unused_epilogue_ops(gm: fx.GraphModule, canon: dict, shapes_guarded: bool) -> None:

@@ -1890,3 +1890,68 @@ def test_an_unused_op_over_the_features_is_dropped(unused):
         return torch.relu(h)
 
     assert_whole_chain_fused(GemmThen(forward, b=torch.randn(OUT)).eval(), (rows(),))
+
+
+class HookChangesAnotherModule(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.other = nn.Linear(IN, OUT), nn.Linear(IN, OUT)
+        self.other.register_forward_hook(self.nudge_bias)
+
+    def nudge_bias(self, module, args, out):
+        with torch.no_grad():
+            self.fc.bias.add_(1.0)
+
+    def forward(self, x):
+        h = self.fc(x)
+        z = self.other(x * 2)  # its hook changes fc.bias, which the region reads
+        return torch.relu(h), z
+
+
+def test_a_hook_may_change_any_modules_tensors_while_a_region_runs():
+    model, x = HookChangesAnotherModule().eval(), rows()
+    reference = copy.deepcopy(model)
+    optimized = fxfuse.optimize(model, (x,))
+    assert_reason(optimized, "`other` may change `fc.bias` between the region's ops")
+    with torch.no_grad():
+        assert_close_report(optimized(x)[0], reference(x)[0])
+
+
+def test_a_hooked_module_after_the_regions_leaves_them_fused():
+    """A hook could change any module's tensors, but one after every region changes none of what they read."""
+    model = nn.Sequential(nn.Linear(IN, OUT), nn.ReLU(), nn.Linear(OUT, OUT)).train()
+    model[2].register_forward_hook(lambda module, args, out: None)
+    assert fxfuse.optimize(model, (rows(),)).fxfuse_report.fused
+
+
+def test_an_unused_batch_norm_stays_for_other_ranks():
+    """Batch norm's channels are dim 1, and eager raises for a 1-D or 4-D input: it ran on a 2-D example."""
+    def forward(m, x, y):
+        h = m.fc(x)
+        m.bn(h)
+        return h * 2
+
+    model = GemmThen(forward, bn=nn.BatchNorm1d(OUT)).eval()
+    optimized = fxfuse.optimize(model, (rows(),))
+    for candidate in (model, optimized):
+        with pytest.raises(ValueError, match="expected 2D or 3D input"):
+            candidate(torch.randn(2, 2, 3, IN))
+
+
+def test_an_unused_op_of_a_forward_argument_weights_output_stays():
+    """`h = F.linear(x, w)` is as wide as w, a forward argument: `h + self.b` raises for another w."""
+    class LinearOfAnArgument(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.b = nn.Parameter(torch.randn(OUT))
+
+        def forward(self, x, w):
+            h = F.linear(x, w)
+            _ = h + self.b
+            return h.relu()
+
+    model = LinearOfAnArgument().eval()
+    optimized = fxfuse.optimize(model, (rows(), torch.randn(OUT, IN)))
+    for candidate in (model, optimized):
+        with pytest.raises(RuntimeError, match="must match"):
+            candidate(rows(), torch.randn(OUT - 1, IN))
