@@ -772,9 +772,12 @@ def canonical_of(node: fx.Node, gm: fx.GraphModule) -> Canonical | None:
     """The canonical op this node spells, or None if it is no op of the vocabulary."""
     c = _spelled_op(node, gm)
     if c is not None and c.problem is None and node.op == "call_module":
-        hooks = hooks_of(gm.get_submodule(node.target))
+        module = gm.get_submodule(node.target)
+        hooks = hooks_of(module)
         if hooks:  # a fused op would skip them
             return dataclasses.replace(c, problem=f"`{node.target}` has {hooks}, which a fused op would not run")
+        if "forward" in vars(module):  # an instance's own forward (a wrapper's patch): the class's is not what runs
+            return dataclasses.replace(c, problem=f"`{node.target}` has a forward of its own")
     return c
 
 

@@ -838,8 +838,9 @@ def _inplace_argument(node: fx.Node) -> bool:
 def _bases(tensor, canon, through_in_place=True, stop=None) -> set:
     """`tensor` and every tensor it may be a view of: back through the inputs of every op but the epilogue ops and
     GEMMs of the vocabulary, which make tensors of their own (`y[:, :]`, `y.view(-1)`, `nn.Identity()(y)`,
-    `torch.broadcast_tensors(t, y)[1]` lead to `y`), and (`through_in_place`) their in-place spellings; not back
-    through `stop` (what it returns is read after its changes)."""
+    `torch.broadcast_tensors(t, y)[1]` lead to `y`), and (`through_in_place`) their in-place spellings, to the
+    tensor they change alone (`out += x` is `out`); not back through `stop` (what it returns is read after its
+    changes), nor through fused ops, whose outputs are their own (an earlier region's: matching stays linear)."""
     bases, stack = set(), [tensor]
     while stack:
         node = stack.pop()
@@ -847,11 +848,12 @@ def _bases(tensor, canon, through_in_place=True, stop=None) -> set:
             continue
         bases.add(node)
         if node is stop or not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method",
-                                                                            "call_module"):
+                                                                            "call_module") or node.target in FUSED_OPS:
             continue
         c = canon.get(node)
-        if c is not None and c.op not in (IDENTITY, COVERED) and not c.problem and (
-                c.inplace_of is None or not through_in_place):
+        if c is not None and c.op not in (IDENTITY, COVERED) and not c.problem:
+            if c.inplace_of is not None and through_in_place:
+                stack.append(c.inplace_of)
             continue
         stack.extend(node.all_input_nodes)
     return bases
@@ -981,7 +983,16 @@ def module_tensor_path(obj) -> str | None:
 
 def _storage_of(obj, facts: Facts):
     """(The storage of a tensor whose memory is known at match time, its dtype): a module tensor's, or a guarded
-    graph input's example value's; None for anything else."""
+    graph input's example value's; None for anything else. Found once an object (every region asks of every later
+    change)."""
+    cache = facts.__dict__.setdefault("_storages", {})
+    key = ("path", obj.path) if isinstance(obj, Attr) else obj
+    if key not in cache:
+        cache[key] = _find_storage(obj, facts)
+    return cache[key]
+
+
+def _find_storage(obj, facts: Facts):
     from torch.multiprocessing.reductions import StorageWeakRef
 
     if isinstance(obj, Attr) or obj.op == "get_attr":

@@ -1955,3 +1955,38 @@ def test_an_unused_op_of_a_forward_argument_weights_output_stays():
     for candidate in (model, optimized):
         with pytest.raises(RuntimeError, match="must match"):
             candidate(rows(), torch.randn(OUT - 1, IN))
+
+
+class InPlaceResidual(nn.Module):
+    """torchvision BasicBlock's tail with a Linear: `out += x`, then an in-place ReLU."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.relu = nn.Linear(IN, IN), nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        out = self.fc(x)
+        out += x
+        return self.relu(out)
+
+
+def test_in_place_residual_blocks_all_fuse():
+    """`out += x` changes out alone: the walk back from it took x too, so the next block's in-place ReLU was taken
+    for a change of what the previous region keeps (found by review: 1 of 3 blocks fused)."""
+    model = nn.Sequential(InPlaceResidual(), InPlaceResidual(), InPlaceResidual()).eval()
+    assert_fuses(model, (rows(features=IN),), regions=3)
+
+
+@pytest.mark.parametrize("patched", ["fc", "act"])
+def test_a_folded_module_with_a_forward_of_its_own_is_not_fused(patched):
+    """A wrapper's patch (`module.forward = ...`): the class's forward is not what runs, and the optimized model
+    raised at every call (require_settings)."""
+    model = GemmThen(lambda m, x, y: m.act(m.fc(x)), act=nn.GELU()).eval()
+    module = getattr(model, patched)
+    original = type(module).forward
+    module.forward = lambda t: original(module, t) * 1.0
+    optimized = fxfuse.optimize(model, (rows(),))
+    assert_reason(optimized, f"`{patched}` has a forward of its own")
+    x = rows()
+    with torch.no_grad():
+        assert_close_report(optimized(x), model(x))
