@@ -568,7 +568,7 @@ def find_region(gm: fx.GraphModule, anchor: fx.Node, canon, facts: Facts):
     if problem:
         logger.debug("anchor %s: not fusible: %s", anchor.name, problem)
         return None, [NearMiss(anchor, anchor, problem)]
-    best = None
+    candidates = []  # every admitted prefix with a single output, smallest first: (snapshot, output)
     first_cut_reason = None
     rejected: dict[fx.Node, str] = {}
     heap = [(facts.position[u], u) for u in anchor.users]
@@ -595,10 +595,11 @@ def find_region(gm: fx.GraphModule, anchor: fx.Node, canon, facts: Facts):
                     heapq.heappush(heap, (facts.position[user], user))
         output = growth.output_if_valid()
         if output is not None:
-            best = (growth.snapshot(), output)
+            candidates.append((growth.snapshot(), output))
             first_cut_reason = None
-        elif first_cut_reason is None and best is not None:
+        elif first_cut_reason is None and candidates:
             first_cut_reason = _escape_reason(growth)
+    best = candidates[-1] if candidates else None
     kept = set(growth.members[:best[0][0]]) if best else set()
     misses = [NearMiss(anchor, node, reason) for node, reason in rejected.items()
               if node.op != "output" and not isinstance(reason, Boundary) and node not in kept]
@@ -608,19 +609,32 @@ def find_region(gm: fx.GraphModule, anchor: fx.Node, canon, facts: Facts):
         if not misses:
             misses = [NearMiss(anchor, anchor, "no epilogue op follows the GEMM")]
         return None, _keep_relevant(misses, growth)
-    (n_members, n_instructions, n_params), output = best
+    n_members = best[0][0]
     if n_members < len(growth.members) and first_cut_reason:
         misses.insert(0, NearMiss(anchor, growth.members[n_members], first_cut_reason))
-    region = Region(anchor, growth.members[:n_members], output, growth.x, growth.weight, growth.transpose_weight,
-                    growth.bias, growth.params[:n_params], Program(tuple(growth.instructions[:n_instructions])),
-                    check_matrix=canon[anchor].attrs.get("matrix_input", False),
-                    x_rank=growth.x_rank[0] if growth.x_rank is not None and growth.x_rank[1] < n_members else None,
-                    dtypes=_common_dtypes([dtypes for dtypes, at, _ in growth.dtypes if at < n_members]),
-                    dtype_ops=tuple(sorted({op for _, at, op in growth.dtypes if at < n_members})))
-    problem = prove_legal(gm, region, facts) or _mutation_problem(region, canon, facts)
-    if problem:
-        return None, [NearMiss(anchor, anchor, problem)]
-    return region, _keep_relevant(misses, growth, region)
+    # The largest legal prefix: one that spans an op changing what it reads may be legal without its last ops.
+    largest_problem = None
+    for snapshot, output in reversed(candidates):
+        region = _region_of(growth, snapshot, output)
+        problem = prove_legal(gm, region, facts) or _mutation_problem(region, canon, facts)
+        if problem is None:
+            if largest_problem is not None:
+                misses.insert(0, NearMiss(anchor, growth.members[snapshot[0]], largest_problem))
+            return region, _keep_relevant(misses, growth, region)
+        largest_problem = largest_problem or problem
+    return None, [NearMiss(anchor, anchor, largest_problem)]
+
+
+def _region_of(growth: _Growth, snapshot: tuple, output: fx.Node) -> Region:
+    """The region of the growth's first members, up to a snapshot taken when they had one output."""
+    n_members, n_instructions, n_params = snapshot
+    return Region(growth.anchor, growth.members[:n_members], output, growth.x, growth.weight,
+                  growth.transpose_weight, growth.bias, growth.params[:n_params],
+                  Program(tuple(growth.instructions[:n_instructions])),
+                  check_matrix=growth.canon[growth.anchor].attrs.get("matrix_input", False),
+                  x_rank=growth.x_rank[0] if growth.x_rank is not None and growth.x_rank[1] < n_members else None,
+                  dtypes=_common_dtypes([dtypes for dtypes, at, _ in growth.dtypes if at < n_members]),
+                  dtype_ops=tuple(sorted({op for _, at, op in growth.dtypes if at < n_members})))
 
 
 def _common_dtypes(each: list[tuple]) -> tuple | None:
