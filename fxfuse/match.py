@@ -838,15 +838,7 @@ def _inplace_argument(node: fx.Node) -> bool:
     F.dropout(x, p, training, True))."""
     if node.kwargs.get("inplace") is True:
         return True
-    if node.op != "call_function":
-        return False
-    for signature in signatures_of(node.target):
-        try:
-            if signature.bind(*node.args, **node.kwargs).arguments.get("inplace") is True:
-                return True
-        except TypeError:
-            continue
-    return False
+    return node.op == "call_function" and any(arguments.get("inplace") is True for arguments in _bindings(node))
 
 
 def _bases(tensor, canon, through_in_place=True, stop=None) -> set:
