@@ -4,16 +4,16 @@
 //
 //   y[row] = program(gemm_output[row]), or one value per row after a row reduction.
 //
-// Strategy: a persistent grid of row groups, each thread holding kRowValues values of its row in registers in
-// the chunk layout of interpreter.cuh (chunk c of lane t at (c * TPR + t) * VEC). The next row is copied into
-// shared memory (cp.async) while one computes; params are read by pointer as 16-byte vectors; one dispatch per
-// instruction: a range test sends unary ops to their switch, the rest switch on the op (binary ops then on the
-// operand kind, once; norms and reductions into the statistic code, inline for groups inside a warp, and with
-// one exchange of Chan-merged (mean, M2) pairs for groups across warps). The kernel may launch while the GEMM
-// finishes, and waits for it on the GPU (launch_kernel, interpreter.cuh). dev/NOTES.md has the measurements of
-// each choice (variants 31-49, 78).
+// Strategy: a persistent grid of row groups, each thread holding fast_row_values(VEC) values of its row in registers
+// (32 in 16-bit storage, 16 in fp32: program_format.cuh) in the chunk layout of interpreter.cuh (chunk c of lane t
+// at (c * TPR + t) * VEC). The next row is copied into shared memory (cp.async) while one computes; params are read
+// by pointer as 16-byte vectors; one dispatch per instruction: a range test sends unary ops to their switch, the
+// rest switch on the op (binary ops then on the operand kind, once; norms and reductions into the statistic code,
+// inline for groups inside a warp, and with one exchange of Chan-merged (mean, M2) pairs for groups across warps).
+// The kernel may launch while the GEMM finishes, and waits for it on the GPU (launch_kernel, interpreter.cuh).
+// dev/NOTES.md has the measurements of each choice (variants 31-49, 78).
 //
-// Four builds per storage type, chosen by the launcher: WHOLE_ROWS (features == TPR * kRowValues, as for 1024,
+// Four builds per storage type, chosen by the launcher: WHOLE_ROWS (features == TPR * values, as for 1024,
 // 2048, 4096 or 8192 features) compiles the chunk masks away; ALL_UNARY_OPS false leaves out the unary ops that
 // call libdevice (CallsLibm), whose code slowed every other program by 4-12% (variant 42). On whole rows, the
 // programs of FXFUSE_ROW_CHAINS (program_format.cuh) run chain_row_kernel instead: the same row loop with each
@@ -35,7 +35,7 @@ namespace fxfuse {
 // ================================================================ operands
 
 // The fast kernel's view of a row: RowContext, whose chunks are all whole where the launcher says every row is
-// (WHOLE_ROWS: features == TPR * kRowValues), so that the chunk masks of the loads, stores and statistics
+// (WHOLE_ROWS: features == TPR * fast_row_values(VEC)), so that the chunk masks of the loads, stores and statistics
 // compile away.
 template <class S, int CHUNKS, bool WHOLE_ROWS>
 struct FastRowContext : RowContext<S, CHUNKS, false> {
@@ -248,10 +248,10 @@ __device__ __forceinline__ void fast_norm(const Ctx& ctx, const Instruction& ins
 #pragma unroll
     for (int j = 0; j < VEC; ++j) cur[c][j] = F::apply(cur[c][j], s0[c], s1[c], w[j], b[j]);
   };
-  if constexpr (CHUNKS <= 2) {
+  if constexpr (VEC == 8) {
     // 16-bit rows with nn.GroupNorm's or nn.LayerNorm's affine request the weight and bias before the statistics,
-    // so that the loads wait under them (16 registers; bf16 mish 15.1 -> 14.4 us, leaky_sum 10.0 -> 9.5, variant
-    // 74); fp32's 32 would spill. Groups across warps keep the late loads, as the held params would live through
+    // so that the loads wait under them (16 registers at 16 values a thread; bf16 mish 15.1 -> 14.4 us, leaky_sum
+    // 10.0 -> 9.5, variant 74); fp32 would spill. Groups across warps keep the late loads, as the held params would live through
     // the exchange's barriers (hardtanh 13.6 -> 13.2 us, variant 75).
     const bool in_warp = ins.chunks_per_group == 1 && ins.lanes_per_group <= 32;
     if (weighted && biased && in_warp) {
@@ -405,7 +405,7 @@ __device__ __forceinline__ void fold_row_min(const Ctx& ctx, const Values<CHUNKS
 template <class S, bool WHOLE_ROWS, bool MIN_BY_ATOMICS = false, class RunProgram>
 __device__ __forceinline__ void run_rows(const RowProgram& prog, RunProgram run_program) {
   constexpr int VEC = S::VEC;
-  constexpr int CHUNKS = kRowValues / VEC;
+  constexpr int CHUNKS = fast_row_values(VEC) / VEC;
   using Ctx = FastRowContext<S, CHUNKS, WHOLE_ROWS>;
   using Raw = typename S::Raw;
   __shared__ FastRowShared<CHUNKS> shared;
@@ -458,7 +458,8 @@ __device__ __forceinline__ void run_rows(const RowProgram& prog, RunProgram run_
 
 // Any program the fast kernel takes, interpreted: one dispatch per instruction.
 template <class S, bool WHOLE_ROWS, bool ALL_UNARY_OPS>
-__global__ void __launch_bounds__(kMaxRowThreads, 1) fast_row_kernel(const __grid_constant__ RowProgram prog) {
+__global__ void __launch_bounds__(fast_row_threads(S::VEC), 1)
+    fast_row_kernel(const __grid_constant__ RowProgram prog) {
   run_rows<S, WHOLE_ROWS>(prog, [&](const auto& ctx, auto& cur, auto& shared) {
     for (int pc = 0; pc < prog.num_instructions; ++pc)
       fast_instruction<S, WHOLE_ROWS, ALL_UNARY_OPS>(ctx, prog.code[pc], cur, shared);
@@ -470,7 +471,8 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1) fast_row_kernel(const __gri
 // the program.
 // MIN_BY_ATOMICS: the last op, a whole-row min, runs as fold_row_min (the launcher sets row_min_slots).
 template <class S, bool MIN_BY_ATOMICS, Opcode... OPS>
-__global__ void __launch_bounds__(kMaxRowThreads, 1) chain_row_kernel(const __grid_constant__ RowProgram prog) {
+__global__ void __launch_bounds__(fast_row_threads(S::VEC), 1)
+    chain_row_kernel(const __grid_constant__ RowProgram prog) {
   constexpr Opcode kOps[] = {OPS...};
   constexpr int kLast = sizeof...(OPS) - 1;
   if constexpr (MIN_BY_ATOMICS) {
@@ -512,7 +514,8 @@ RowKernel chain_kernel(const RowProgram& prog) {
 
 template <class S>
 void launch_fast_row_program(const RowProgram& prog, const RowLaunch& launch, cudaStream_t stream) {
-  const bool whole_rows = prog.features == prog.threads_per_row * kRowValues;
+  constexpr int kValues = fast_row_values(S::VEC);
+  const bool whole_rows = prog.features == prog.threads_per_row * kValues;
   const bool all_unary_ops = uses_libm_unary_op(prog);
   RowKernel kernel = whole_rows ? chain_kernel<S, false>(prog) : nullptr;
   const bool chained = kernel != nullptr;
@@ -522,7 +525,7 @@ void launch_fast_row_program(const RowProgram& prog, const RowLaunch& launch, cu
   const int threads = launch.rows_per_block * prog.threads_per_row;
   RowProgram sized = prog;
   sized.row_groups = (prog.rows + launch.rows_per_block - 1) / launch.rows_per_block;
-  const int64_t staging_bytes = int64_t{threads} * kRowValues * sizeof(typename S::Raw);
+  const int64_t staging_bytes = int64_t{threads} * kValues * sizeof(typename S::Raw);
   const RowGrid grid = row_grid(kernel, threads, staging_bytes);
   const unsigned blocks = static_cast<unsigned>(std::min(sized.row_groups, grid.blocks));
   const int64_t slots = (sized.row_groups + blocks - 1) / blocks * launch.rows_per_block;  // rows a block takes

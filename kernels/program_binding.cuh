@@ -554,12 +554,13 @@ struct RowLayout {
   int rows_per_block;
 };
 
-// The fewest threads (a power of 2, from a warp) that hold a row at kRowValues values each; short rows share
+// The fewest threads (a power of 2, from a warp) that hold a row at `values` values each; short rows share
 // 256-thread blocks.
-std::optional<RowLayout> choose_row_layout(int64_t features) {
+std::optional<RowLayout> choose_row_layout(int64_t features, int values = kRowValues) {
+  const int max_threads = kMaxRowFeatures / values;
   int threads = 32;
-  while (static_cast<int64_t>(threads) * kRowValues < features && threads < kMaxRowThreads) threads *= 2;
-  if (static_cast<int64_t>(threads) * kRowValues < features) return std::nullopt;
+  while (static_cast<int64_t>(threads) * values < features && threads < max_threads) threads *= 2;
+  if (static_cast<int64_t>(threads) * values < features) return std::nullopt;
   return RowLayout{threads, std::max(1, 256 / threads)};
 }
 

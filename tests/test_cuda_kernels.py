@@ -271,8 +271,8 @@ def test_rows_that_are_not_whole_vectors(n, precision):
 
 
 ROW_KERNEL_CHOICES = [  # (program, n, param kinds, the row kernel that must run)
-    # the fast kernel: "fast", then "whole" (rows of TPR * 16 values) or "part", then "all" (every unary op compiled
-    # in) or "light" (none that calls libdevice)
+    # the fast kernel: "fast", then "whole" (rows of TPR * its values a thread) or "part", then "all" (every unary
+    # op compiled in) or "light" (none that calls libdevice)
     # "chain": a program of FXFUSE_ROW_CHAINS on whole rows, compiled whole ("min by atomics": its last row min)
     ("add(%0,$0);hardtanh(%1,-1.0,1.0);mish(%2);group_norm(%3,$1,$2,16,1e-05)", 1024, ["feature", "affine"], "chain"),
     ("group_norm(%0,$0,$1,512,1e-05);min_dim(%1,1,True)", 8192, ["affine"], "chain, min by atomics"),
@@ -315,12 +315,20 @@ def test_the_fastest_row_kernel_that_takes_the_program_runs(case, precision):
     assert_close_to_reference(out, x, weight, bias, params, program, bound_for(precision))
 
 
-def rows_past_the_row_min_slots(threads_per_block):
+def fast_row_values(dtype):
+    """Values a thread of the fast row kernel (fast_row_values, program_format.cuh): 16 in fp32, 32 in 16-bit."""
+    return 16 if dtype == torch.float32 else 32
+
+
+def rows_past_the_row_min_slots(threads_per_block, dtype):
     """More rows than the 512 slots a block has for a chain's last row min (kRowMinSlots, fast_row.cuh) can take
-    with as many blocks as the GPU can hold at once."""
+    with as many blocks as the GPU can hold at once: the fast kernel's registers a thread are capped at 64 in fp32
+    and 128 in 16-bit storage (its launch bounds), of an SM's 65536."""
     properties = torch.cuda.get_device_properties(torch.cuda.current_device())
-    most_blocks = properties.multi_processor_count * properties.max_threads_per_multi_processor // threads_per_block
-    return 512 * most_blocks + 1
+    registers = 64 * fast_row_values(dtype) // 16
+    blocks_an_sm = min(properties.max_threads_per_multi_processor // threads_per_block,
+                       65536 // (threads_per_block * registers))
+    return 512 * properties.multi_processor_count * blocks_an_sm + 1
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"], indirect=True)
@@ -331,8 +339,8 @@ def test_a_chains_last_row_min_folds_by_atomics_while_its_slots_last(rows, preci
     it. One row leaves the block's other three rows idle; past the block's 512 slots the exchange between warps
     runs instead."""
     dtype = DTYPES[precision]
-    n = 1024  # 64 threads a row, 4 rows a block of 256 threads
-    m = {"one": 1, "a thousand": 1000, "past the slots": rows_past_the_row_min_slots(threads_per_block=256)}[rows]
+    n = 64 * fast_row_values(dtype)  # 64 threads a row, 4 rows a block of 256 threads
+    m = {"one": 1, "a thousand": 1000, "past the slots": rows_past_the_row_min_slots(256, dtype)}[rows]
     program = "group_norm(%0,$0,$1,16,1e-05);min_dim(%1,1,True)"
     x, weight, bias = linear_inputs(m, 16, n, dtype)
     nan_row = m // 2
@@ -394,8 +402,10 @@ def test_every_chain_runs_its_own_kernel(precision):
         variants = max([len(EPILOGUE_OPS[name].samples) for name in chain] + [4])
         for variant in range(variants):
             program, kinds = chain_program(chain, variant)
-            expected = "chain, min by atomics" if chain[-1] in ("amin", "min_dim") else "chain"
             for n in (1024, 8192):
+                rows_across_warps = n > 32 * fast_row_values(dtype)
+                by_atomics = chain[-1] in ("amin", "min_dim") and rows_across_warps
+                expected = "chain, min by atomics" if by_atomics else "chain"
                 x, weight, bias = linear_inputs(37, 65, n, dtype)
                 params = [p for kind in kinds for p in make_params(kind, 37, n, dtype)]
                 assert row_kernel_kind(launched_kernel(program, x, weight, bias, params)) == expected, program
