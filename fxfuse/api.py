@@ -4,8 +4,9 @@ Capture: the model is traced with ``torch.fx.symbolic_trace``. If the whole mode
 child module is tried in turn and what can't be traced stays in eager. The traced GraphModule shares the
 model's submodules, parameters and buffers (so state_dict keys and tensors are unchanged, and an optimizer
 step on the original parameters is seen by the optimized module). With example inputs, shapes and dtypes
-are propagated on fake tensors, which lets the matcher prove more (ranks, dims, operand dtypes). A model in train
-mode with anything to train gets the training form of the fused op (``fuse_graph(..., training=True)``).
+are propagated on fake tensors, which lets the matcher prove more (ranks, dims, operand dtypes); what a module with
+hooks returns is learned from one real run of the model, hooks and all (the fake run sets its hooks aside). A model
+in train mode with anything to train gets the training form of the fused op (``fuse_graph(..., training=True)``).
 """
 from __future__ import annotations
 
@@ -16,11 +17,15 @@ import inspect
 import logging
 import operator
 import types
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .report import MissRow, Report
 from .canonicalize import CALL_HOOK_DICTS, augmented_assignment, has_call_hooks, hooks_of, signatures_of
@@ -367,31 +372,139 @@ def _fake_buffers(gm: fx.GraphModule, mode):
                 object.__setattr__(module, name, value)
 
 
-def _propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+def _propagate_shapes(gm: fx.GraphModule, model: nn.Module, example_inputs: Sequence[Any]) -> None:
     """Record each node's shape and dtype (node.meta['val']) by running the graph on fake tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
     if any(isinstance(p, nn.parameter.UninitializedParameter) for p in gm.parameters()):
         # A lazy module would initialize its parameters on the fake tensors, leaving the model's own on "meta".
         logger.info("fxfuse: no shapes (the model has uninitialized lazy parameters); matching without them")
         return
     hooked = [module for module in gm.modules() if module is not gm and has_call_hooks(module)]
+    # What a hooked module returns after its hooks, learned from a real run: its nodes get that, not their own.
+    known_outputs = _hooked_outputs(gm, model, example_inputs)
     try:
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         with _fake_buffers(gm, mode), _call_hooks_set_aside(hooked):
-            FakeTensorProp(gm, mode).propagate(*example_inputs)
+            _FakeTensorPropWithKnownOutputs(gm, mode, known_outputs).propagate(*example_inputs)
     except Exception as error:  # shapes are a help, not a need: the matcher proves less without them
         logger.info("fxfuse: no shapes (%s: %s); matching without them", type(error).__name__, error)
         for node in gm.graph.nodes:
             node.meta.pop("val", None)
-    # What a hooked module returns, and all that follows from it, is unknown: its hooks did not run.
+    # What a hooked module returns where the run did not tell, and all that follows from it, is unknown: its hooks
+    # did not run on the fake tensors.
     unknown: set[fx.Node] = set()
     for node in gm.graph.nodes:
-        if (node.op == "call_module" and gm.get_submodule(node.target) in hooked) or \
+        if (node.op == "call_module" and gm.get_submodule(node.target) in hooked and node not in known_outputs) or \
                 any(source in unknown for source in node.all_input_nodes):
             unknown.add(node)
             node.meta.pop("val", None)
+
+
+class _TensorMetadata(NamedTuple):
+    """What the shapes run needs of a tensor a hooked module returned."""
+    shape: torch.Size
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+
+def _plain_tensor_metadata(value) -> _TensorMetadata | None:
+    """The metadata of a plain dense tensor; None for anything else (a tuple, a subclass, a sparse tensor...)."""
+    if type(value) is not torch.Tensor or value.layout != torch.strided or value.is_quantized or value.is_nested:
+        return None
+    return _TensorMetadata(value.shape, value.stride(), value.dtype, value.device)
+
+
+def _fake_tensor_of(metadata: _TensorMetadata) -> torch.Tensor:
+    """A tensor of that metadata: a fake one when called under a FakeTensorMode."""
+    return torch.empty_strided(metadata.shape, metadata.stride, dtype=metadata.dtype, device=metadata.device)
+
+
+class _FakeTensorPropWithKnownOutputs(FakeTensorProp):
+    """FakeTensorProp, except that the nodes of `known_outputs` give a fake tensor of their known metadata instead
+    of calling their module."""
+
+    def __init__(self, gm: fx.GraphModule, mode, known_outputs: dict[fx.Node, _TensorMetadata]):
+        super().__init__(gm, mode)
+        self.known_outputs = known_outputs
+
+    def run_node(self, node: fx.Node) -> Any:
+        metadata = self.known_outputs.get(node)
+        if metadata is None:
+            return super().run_node(node)
+        node.meta["val"] = _fake_tensor_of(metadata)  # a tensor of its own: a later in-place op leaves it as it is
+        return _fake_tensor_of(metadata)
+
+
+def _hooked_outputs(gm: fx.GraphModule, model: nn.Module, example_inputs) -> dict[fx.Node, _TensorMetadata]:
+    """The metadata of what each call of a hooked module of `gm` returns, its hooks' replacements included, found
+    on one run of `model` on the example inputs; by node. Left out: a module whose calls in that run are not its
+    nodes one for one, a call that returned no plain tensor, and everything if the run failed or would have written
+    into a parameter or an example input. No run where `gm` calls no hooked module."""
+    nodes: dict[nn.Module, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_module":
+            continue
+        module = gm.get_submodule(node.target)
+        if has_call_hooks(module):
+            nodes.setdefault(module, []).append(node)
+    if not nodes:
+        return {}
+    calls: dict[nn.Module, list[_TensorMetadata | None]] = {module: [] for module in nodes}
+
+    def record(module, args, output) -> None:
+        calls[module].append(_plain_tensor_metadata(output))
+
+    # Registered last, each sees the output after the user's hooks replaced it.
+    handles = [module.register_forward_hook(record) for module in nodes]
+    tensors = [*model.parameters(), *(t for t in pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor))]
+    guard = _RefusingWritesInto(tensors)
+    try:
+        ran = _run_leaving_it_as_it_was(model, example_inputs, "learn what its hooked modules return", guard)
+    finally:
+        for handle in handles:
+            handle.remove()
+    if not ran or guard.refused:  # (a forward that caught the refusal ran on without that write)
+        return {}
+    known: dict[fx.Node, _TensorMetadata] = {}
+    for module, module_nodes in nodes.items():
+        if len(calls[module]) != len(module_nodes):  # also called elsewhere (inside another call, by a hook)
+            continue
+        for node, metadata in zip(module_nodes, calls[module]):
+            if metadata is not None:
+                known[node] = metadata
+    return known
+
+
+class _RefusingWritesInto(TorchDispatchMode):
+    """Raises before any op that would write into the memory of the given tensors (the model's parameters, the
+    example inputs: what the run that learns hooked outputs must leave as they were, where the buffers are put
+    back)."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]):
+        super().__init__()
+        self.storages = {_storage_of(t) for t in tensors} - {None}
+        self.refused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for index, argument in enumerate(func._schema.arguments):
+            if argument.alias_info is None or not argument.alias_info.is_write:
+                continue
+            value = args[index] if index < len(args) else kwargs.get(argument.name)
+            for tensor in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(tensor, torch.Tensor) and _storage_of(tensor) in self.storages:
+                    self.refused = True
+                    raise RuntimeError(f"{func} would write into a parameter or an example input")
+        return func(*args, **kwargs)
+
+
+def _storage_of(tensor: torch.Tensor):
+    """The storage of a dense tensor with memory, as a key; None for others (sparse, meta)."""
+    if tensor.layout != torch.strided or tensor.device.type == "meta":
+        return None
+    return StorageWeakRef(tensor.untyped_storage())
 
 
 @contextlib.contextmanager
@@ -416,19 +529,30 @@ def _children_inputs(model: nn.Module, example_inputs) -> dict[str, tuple]:
 
     hooks = [child.register_forward_pre_hook(functools.partial(record, name), with_kwargs=True)
              for name, child in model.named_children()]
+    try:
+        _run_leaving_it_as_it_was(model, example_inputs, "find its children's inputs")
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return seen
+
+
+def _run_leaving_it_as_it_was(model: nn.Module, example_inputs, purpose: str,
+                              guard=contextlib.nullcontext()) -> bool:
+    """Run `model` once on `example_inputs`, for what the hooks registered on it beforehand record, with `guard`
+    entered around the forward. False (logged) if it raised."""
     # The run must change neither the model nor the random streams of the devices it touches (a dropout would
     # move the caller's stream on).
     tensors = [*model.parameters(), *model.buffers(), *(t for t in example_inputs if isinstance(t, torch.Tensor))]
     cuda_devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
     try:
         with _model_kept_as_it_was(model), torch.no_grad(), torch.random.fork_rng(devices=cuda_devices):
-            model(*example_inputs)
+            with guard:
+                model(*example_inputs)
     except Exception as error:
-        logger.info("fxfuse: could not run the model to find its children's inputs: %s", error)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return seen
+        logger.info("fxfuse: could not run the model to %s: %s", purpose, error)
+        return False
+    return True
 
 
 def _as_positional(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
@@ -499,7 +623,7 @@ def _optimize(model: nn.Module, example_inputs, path: str, report: Report) -> nn
                 result._modules[name] = optimized
         return result
     if example_inputs is not None:
-        _propagate_shapes(gm, example_inputs)
+        _propagate_shapes(gm, model, example_inputs)
     fused_before = len(report.fused)
     try:
         # Matching reads module tensors: a parametrized one (spectral_norm) runs its parametrization, which may

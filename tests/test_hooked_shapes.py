@@ -1,0 +1,227 @@
+"""Shapes after a hooked module: what it returns is learned from one real run of the model, hooks and all.
+
+A module with hooks is one call of the graph, and the shapes run on fake tensors sets its hooks aside; its output's
+shape, dtype and device come from a run of the model on the example inputs instead, so the ops after it keep their
+shapes. Where that run does not line up with the graph (a tuple or a dict returned, more calls than the graph has),
+nothing after the module has shapes, as before. The tests that fuse also check the optimized model against eager.
+"""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxfuse
+from epilogue_models import BATCH, IN, OUT, assert_reason, fused_programs, reasons
+from fxfuse.testing import assert_close_report, assert_fuses
+
+SEQUENCE = 5
+NORM_AFTER_RELU = "relu(%0);layer_norm(%1,None,None,1e-05)"
+SHAPES_MISSING = ("without example inputs", "pass example inputs")
+
+
+def rows(batch=BATCH, features=IN):
+    return torch.randn(batch, features)
+
+
+def sequences(batch=BATCH, features=IN):
+    return torch.randn(batch, SEQUENCE, features)
+
+
+def doubled(module, args, out):
+    return out * 2.0
+
+
+class NormAfterAHookedModule(nn.Module):
+    """F.instance_norm takes 3-D values only: fusing it needs the rank of fc's input, the hooked module's output."""
+
+    def __init__(self, pre_features=IN):
+        super().__init__()
+        self.pre = nn.Linear(IN, pre_features)
+        self.fc = nn.Linear(IN, OUT)
+
+    def forward(self, x):
+        return F.instance_norm(torch.relu(self.fc(self.pre(x))))
+
+
+class AddsAHookedModulesResult(nn.Module):
+    """The add's operand is computed from the hooked module's output: a tensor, which only its shapes run can say."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.pre = nn.Linear(IN, OUT), nn.Linear(IN, OUT)
+
+    def forward(self, x):
+        scaled = self.pre(x) * 2.0  # before the GEMM: a hooked call between the region's ops may change x
+        return torch.relu(self.fc(x)) + scaled
+
+
+def test_a_norm_after_a_hooked_module_fuses():
+    model = NormAfterAHookedModule().eval()
+    model.pre.register_forward_hook(doubled)
+    optimized = assert_fuses(model, (sequences(),), regions=1)
+    assert fused_programs(optimized) == [NORM_AFTER_RELU]
+
+
+def test_explain_no_longer_says_the_shapes_are_missing_after_a_hooked_module():
+    model, x = AddsAHookedModulesResult().eval(), rows()
+    model.pre.register_forward_hook(doubled)
+    report = fxfuse.explain(model, (x,))
+    assert not [reason for reason in reasons(report) if any(text in reason for text in SHAPES_MISSING)], report
+    optimized = assert_fuses(model, (x,), regions=1)
+    assert fused_programs(optimized) == ["relu(%0);add(%1,$0)"]
+
+
+def add_a_dim(module, args, out):
+    return out.unsqueeze(0)
+
+
+def keep_the_first_features(module, args, out):
+    return out[..., :IN]
+
+
+@pytest.mark.parametrize("hook, pre_features, make_input", [(add_a_dim, IN, rows),
+                                                           (keep_the_first_features, 2 * IN, sequences)],
+                         ids=["another rank", "fewer features"])
+def test_a_hook_that_changes_the_output_shape_gives_that_shape(hook, pre_features, make_input):
+    """The shape recorded is the hook's, not the module's own: a 2-D output made 3-D lets instance_norm fuse, and an
+    output cut to fewer features fits fc (the module's own would not: the shapes run failed as a whole)."""
+    model = NormAfterAHookedModule(pre_features).eval()
+    model.pre.register_forward_hook(hook)
+    optimized = assert_fuses(model, (make_input(),), regions=1)
+    assert fused_programs(optimized) == [NORM_AFTER_RELU]
+
+
+def as_tuple(module, args, out):
+    return out, out.sum()
+
+
+def as_dict(module, args, out):
+    return {"h": out}
+
+
+class UsesAHookedModulesFirstItem(nn.Module):
+    def __init__(self, key):
+        super().__init__()
+        self.pre, self.fc = nn.Linear(IN, IN), nn.Linear(IN, OUT)
+        self.key = key
+
+    def forward(self, x):
+        return F.instance_norm(torch.relu(self.fc(self.pre(x)[self.key])))
+
+
+# (the shapes run, which sets the hooks aside, indexes the module's own tensor with "h": torch warns, then raises)
+@pytest.mark.filterwarnings("ignore:Using a non-tuple sequence for multidimensional indexing")
+@pytest.mark.parametrize("hook, key", [(as_tuple, 0), (as_dict, "h")], ids=["tuple", "dict"])
+def test_a_hook_that_returns_no_tensor_leaves_what_follows_without_shapes(hook, key):
+    model = UsesAHookedModulesFirstItem(key).eval()
+    model.pre.register_forward_hook(hook)
+    optimized = assert_fuses(model, (sequences(),), regions=1)
+    assert fused_programs(optimized) == ["relu(%0)"]
+    assert_reason(optimized, "the rank is unknown (pass example inputs)")
+
+
+class CallsAHookedModuleTwice(nn.Module):
+    """The first call sees a 2-D value, the second a 3-D one: each node gets its own call's shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre, self.fc, self.other = nn.Linear(IN, IN), nn.Linear(IN, OUT), nn.Linear(IN, OUT)
+
+    def forward(self, x, y):
+        first = self.pre(y)
+        second = self.pre(x)
+        return torch.relu(self.other(first)), F.instance_norm(torch.relu(self.fc(second)))
+
+
+def test_a_hooked_module_called_twice_gives_each_call_its_shape():
+    model = CallsAHookedModuleTwice().eval()
+    model.pre.register_forward_hook(doubled)
+    optimized = assert_fuses(model, (sequences(), rows()), regions=2)
+    assert sorted(fused_programs(optimized)) == sorted(["relu(%0)", NORM_AFTER_RELU])
+
+
+class CallsAHookedModuleInsideAnother(nn.Module):
+    """`pre` is called twice, once inside `block` (one call of the graph): its one node can't be told which."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre, self.fc = nn.Linear(IN, IN), nn.Linear(IN, OUT)
+        self.block = nn.Sequential(self.pre)
+
+    def forward(self, x):
+        return F.instance_norm(torch.relu(self.fc(self.pre(x)))) + self.block(x).mean()
+
+
+def test_a_hooked_module_called_more_often_than_the_graph_calls_it_gives_no_shape():
+    model = CallsAHookedModuleInsideAnother().eval()
+    model.pre.register_forward_hook(doubled)
+    model.block.register_forward_hook(doubled)
+    optimized = assert_fuses(model, (sequences(),), regions=1)
+    assert fused_programs(optimized) == ["relu(%0)"]
+    assert_reason(optimized, "the rank is unknown (pass example inputs)")
+
+
+def test_hooks_run_once_on_real_tensors_and_never_on_fake_ones():
+    model, seen = NormAfterAHookedModule().eval(), []
+    model.pre.register_forward_hook(lambda module, args, out: seen.append(type(out)) or out * 2.0)
+    fxfuse.optimize(model, (sequences(),))
+    assert seen == [torch.Tensor]
+
+
+class NudgesAWeight(nn.Module):
+    """A hook of `pre` changes fc's weight, which fc reads next."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre, self.fc = nn.Linear(IN, IN), nn.Linear(IN, OUT)
+        self.pre.register_forward_hook(self.nudge_weight)
+
+    def nudge_weight(self, module, args, out):
+        with torch.no_grad():
+            self.fc.weight.add_(1.0)
+
+    def forward(self, x):
+        return F.instance_norm(torch.relu(self.fc(self.pre(x))))
+
+
+class NudgesItsInput(NormAfterAHookedModule):
+    def forward(self, x):
+        h = super().forward(x)
+        x.add_(1.0)
+        return h
+
+
+def test_the_run_leaves_the_parameters_as_they_were():
+    """The run that learns a hooked module's output is stopped before it writes into a parameter: what follows the
+    module then has no shapes, as before."""
+    model, x = NudgesAWeight().eval(), sequences()
+    weight = model.fc.weight.detach().clone()
+    optimized = fxfuse.optimize(model, (x,))
+    assert torch.equal(model.fc.weight, weight)
+    assert fused_programs(optimized) == ["relu(%0)"]
+    with torch.no_grad():
+        expected = model(x)
+        model.fc.weight.copy_(weight)
+        assert_close_report(optimized(x), expected)
+
+
+def test_the_run_leaves_the_example_inputs_as_they_were():
+    model, x = NudgesItsInput().eval(), sequences()
+    model.pre.register_forward_hook(doubled)
+    given = x.clone()
+    optimized = fxfuse.optimize(model, (x,))
+    assert torch.equal(x, given)
+    assert fused_programs(optimized) == ["relu(%0)"]
+    with torch.no_grad():
+        assert_close_report(optimized(x.clone()), model(x.clone()))
+
+
+def test_a_model_without_hooked_modules_is_not_run():
+    class RecordsItsInputs(NormAfterAHookedModule):  # (no hook registered: the trace alone calls its forward)
+        def forward(self, x):
+            seen.append(type(x))
+            return super().forward(x)
+
+    seen = []
+    fxfuse.optimize(RecordsItsInputs().eval(), (sequences(),))
+    assert torch.Tensor not in seen
