@@ -202,6 +202,9 @@ class _Tracer(fx.Tracer):
 
     def __init__(self):
         super().__init__(autowrap_functions=GRAPH_HELPERS)  # calls of their own in a graph traced again
+        # Buffers as graph reads, not their trace-time values: fx otherwise runs `self.buf.exp()` once, at trace
+        # time, and keeps the result as a constant that load_state_dict, fill_ or .half() never reach.
+        self.proxy_buffer_attributes = True
         self.inlined: dict[str, nn.Module] = {}
 
     def proxy(self, node: fx.Node) -> fx.Proxy:

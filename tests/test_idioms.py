@@ -1,6 +1,7 @@
 """Multi-node idioms: the built-in ones (fxfuse.patterns) in any spelling of their ops, and idioms that user code
 declares with ``fxfuse.idiom`` without editing fxfuse. Scalars of an idiom are captured, never baked in.
 """
+import inspect
 import math
 import re
 
@@ -229,3 +230,39 @@ def test_an_idiom_captures_numpy_numbers_as_pythons(scratch_idioms):
     program = program_of(on_gemm(lambda h: torch.minimum(torch.maximum(h, torch.full_like(h, np.float64(-0.5))),
                                                          torch.full_like(h, np.float64(0.5)))))
     assert program == "clamp(%0,-0.5,0.5)"
+
+
+def idiom_cases():
+    """(built-in idiom, the attributes it captures) for each sample of its op that agrees with its fixed ones."""
+    import fxfuse.patterns  # noqa: F401  (registers the built-in idioms)
+    from fxfuse.epilogue import EPILOGUE_OPS
+
+    cases = []
+    for built_in in idioms.IDIOMS:
+        captured = [p.name for p in inspect.signature(built_in.function).parameters.values()
+                    if p.kind is p.KEYWORD_ONLY]
+        for sample in EPILOGUE_OPS[built_in.op].samples:
+            agrees = all(sample.get(name, value) == value for name, value in built_in.attrs.items())
+            if agrees and all(sample.get(name) is not None for name in captured):
+                cases.append(pytest.param(built_in, {name: sample[name] for name in captured},
+                                          id=f"{built_in.function.__name__}-{sample}"))
+    return cases
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("built_in, captured", idiom_cases())
+def test_a_built_in_idiom_is_its_op_within_rounding_in_every_dtype_it_claims(built_in, captured, dtype):
+    """Eager's spelled-out formula, in the dtype, against the op's reference in that dtype (which computes in fp32
+    as the fused op does), at fxfuse.testing's tolerances, over [-12, 12], random values and magnitudes up to 2e4
+    (where fp16 intermediates overflow): where they differ, the idiom must not claim the dtype (`dtypes=`)."""
+    from fxfuse.epilogue import EPILOGUE_OPS
+
+    if built_in.dtypes is not None and dtype not in built_in.dtypes:
+        pytest.skip(f"declared for {built_in.dtypes} only")
+    torch.manual_seed(0)
+    large = torch.logspace(1.0, 4.3, 64)
+    x = torch.cat([torch.linspace(-12.0, 12.0, 4800), torch.randn(4032) * 3.0, large, -large]).view(-1, 64)
+    x = x.to(dtype)
+    attrs = {**built_in.attrs, **captured}
+    expected = EPILOGUE_OPS[built_in.op].reference(x, **built_in.fixed_operands, **attrs)
+    assert_close_report(built_in.function(x, **captured), expected)

@@ -1173,16 +1173,68 @@ class ChangesItselfInForward(nn.Module):
 
 
 def test_a_forward_that_changes_its_model_is_not_traced_and_the_model_stays_as_it_was():
-    """An fx trace would run the buffer's mul_ and the attribute's assignment once, at trace time, and record
-    neither: the model is left to its children, and optimize() leaves its buffer and attributes as they were."""
+    """An fx trace would run the attribute's assignment once, at trace time, and record nothing of it: the model
+    is left to its children, and optimize() leaves its buffer and attributes as they were."""
     model, x = ChangesItselfInForward().eval(), rows()
     expected = copy.deepcopy(model)
     optimized = fxfuse.optimize(model, (x,))
     assert torch.equal(model.scale, torch.ones(OUT)) and not hasattr(model, "last_input")
-    assert any("changes buffer `scale` in place" in row.reason for row in optimized.fxfuse_report.skipped)
+    assert any("sets `last_input`" in row.reason for row in optimized.fxfuse_report.skipped)
     with torch.no_grad():
         for _ in range(2):
             assert_close_report(optimized(x), expected(x))
+
+
+class ScalesItsBufferInForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(IN, OUT)
+        self.register_buffer("scale", torch.ones(OUT))
+
+    def forward(self, x):
+        self.scale.mul_(0.5)
+        return torch.relu(self.fc(x)) * self.scale
+
+
+def test_a_buffer_changed_in_place_by_the_forward_is_a_step_of_the_graph():
+    """The trace reads buffers as graph values: the buffer's mul_ runs at each call, as in eager, and not once
+    while tracing; optimize() leaves the buffer as it was."""
+    model, x = ScalesItsBufferInForward().eval(), rows()
+    expected = copy.deepcopy(model)
+    optimized = fxfuse.optimize(model, (x,))
+    assert torch.equal(model.scale, torch.ones(OUT))
+    assert fused_op_count(optimized) == 1
+    with torch.no_grad():
+        for _ in range(3):
+            assert_close_report(optimized(x), expected(x))
+    assert torch.equal(model.scale, expected.scale)
+
+
+class ScaledByABufferExpression(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(IN, OUT)
+        self.register_buffer("log_scale", torch.zeros(OUT))
+
+    def forward(self, x):
+        return torch.relu(self.fc(x)) * self.log_scale.exp()
+
+
+@pytest.mark.parametrize("change", ["load_state_dict", "bfloat16"])
+def test_an_expression_of_a_buffer_follows_the_buffer(change):
+    """fx's trace ran `self.log_scale.exp()` once and kept the result as a constant: a checkpoint loaded later, or
+    the model cast to bf16, did not reach the fused op's operand (a stale scale; an fp32 result)."""
+    model, x = ScaledByABufferExpression().eval(), rows()
+    optimized = fxfuse.optimize(model, (x,))
+    assert fused_op_count(optimized) == 1
+    if change == "load_state_dict":
+        model.load_state_dict({**model.state_dict(), "log_scale": torch.linspace(-1.0, 1.0, OUT)})
+    else:
+        model.bfloat16()
+        optimized.bfloat16()
+        x = x.bfloat16()
+    with torch.no_grad():
+        assert_close_report(optimized(x), model(x))
 
 
 class DropoutByTorchBuiltin(nn.Module):
