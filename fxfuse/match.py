@@ -199,7 +199,7 @@ class _Growth:
         self.rank: dict[int, int | None] = {}   # value index -> rank, when known
         self.reduced: set[int] = set()          # values that are one number per row
         self.dropped: set[int] = set()          # reduced values without the features dim (keepdim=False)
-        self.min_rank: dict[int, int] = {}      # value index -> the least rank it can have (a GEMM output: 2)
+        self.min_rank: dict[int, int] = {}      # value index -> the least rank it can have (a GEMM output: 1)
         # (x's rank that an admitted op's meaning depends on, the member count before that op)
         self.x_rank: tuple[int, int] | None = None
         self.dtypes: list[tuple[tuple, int, str]] = []  # (an admitted idiom's dtypes, the members before it, its op)
@@ -283,7 +283,7 @@ class _Growth:
         self.add_member(self.anchor, c)
         self.value[self.anchor] = 0
         self.rank[0] = None if x_tensor is None else x_tensor.dim()
-        self.min_rank[0] = self.rank[0] or 2
+        self.min_rank[0] = self.rank[0] or (2 if c.attrs.get("matrix_input") else 1)  # linear takes a 1-D input
         addmm_bias = self.facts.resolve(c.attrs.get("addmm_bias"))
         if addmm_bias is not None:  # addmm's input broadcasts like an added tensor
             problem = self.outside_operand_problem(addmm_bias, self.dtype)

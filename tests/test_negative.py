@@ -1114,6 +1114,32 @@ def test_a_module_with_backward_hooks_is_not_folded(kind):
     assert calls == [1]
 
 
+class AddsARowInPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(IN, OUT)
+        self.register_buffer("row", torch.randn(1, OUT))
+
+    def forward(self, x):
+        return self.fc(x).relu().add_(self.row)
+
+
+@pytest.mark.parametrize("example_inputs", ["none", "given"])
+def test_an_in_place_op_on_an_unbatched_linears_output_raises_as_eager_does(example_inputs):
+    """nn.Linear takes a 1-D input: h.add_(row) with a (1, N) row can't grow h from (N,) to (1, N), and eager
+    raises; the fused op, computing out of place, returned a (1, N) result. (With the 1-D example input the shapes
+    run raises too, so the rank is unknown either way.)"""
+    model, x = AddsARowInPlace().eval(), torch.randn(IN)
+    optimized = fxfuse.optimize(model, None if example_inputs == "none" else (x,))
+    with pytest.raises(RuntimeError, match="doesn't match the broadcast shape"):
+        model(x)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="doesn't match the broadcast shape"):
+        optimized(x)
+    batch = rows()
+    with torch.no_grad():
+        assert_close_report(optimized(batch), model(batch))
+
+
 class InPlaceScale(nn.Module):
     def __init__(self):
         super().__init__()
