@@ -166,8 +166,9 @@ def number_as_tensor(value):
     """Called by rewritten graphs for a forward argument that the matcher took for a tensor without example inputs:
     a number passed there (Python's or NumPy's) becomes a 0-d CPU tensor, which torch's ops read at full precision
     as they read a number, and which does not promote the result's dtype; the fused op's tensor params take it
-    (on a GPU, its reference runs)."""
-    return torch.tensor(value) if isinstance(value, numbers.Number) else value
+    (on a GPU, its reference runs). NumPy's bool_ is no numbers.Number: its scalars are told by their module."""
+    is_numpy_scalar = type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0
+    return torch.tensor(value) if isinstance(value, numbers.Number) or is_numpy_scalar else value
 
 
 def _maybe_number(node) -> bool:

@@ -827,15 +827,16 @@ def test_change_of_the_gemm_input_through_a_module_or_a_list_is_not_fused(epilog
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("number", [2.5, 3, 100000.0, "np.float32", "np.int64", 2 + 1j],
-                         ids=["float", "int", "large", "np.float32", "np.int64", "complex"])
+@pytest.mark.parametrize("number", [2.5, 3, 100000.0, "np.float32", "np.int64", "np.bool_", 2 + 1j],
+                         ids=["float", "int", "large", "np.float32", "np.int64", "np.bool_", "complex"])
 def test_any_number_for_an_unannotated_argument_computes_as_eager(number, dtype):
     """number_as_tensor makes a 0-d CPU tensor of it: read at full precision (100000 is no fp16 inf) and
-    promoting as a number does (a complex number makes the result complex, as eager)."""
+    promoting as a number does (a complex number makes the result complex, as eager). NumPy's bool_, which is no
+    numbers.Number, reached the fused op's tensor params as it was."""
     np = pytest.importorskip("numpy")
     if isinstance(number, complex) and dtype == torch.float16:
         pytest.skip("eager has no complex-half division on the CPU")
-    number = {"np.float32": np.float32(2.5), "np.int64": np.int64(3)}.get(number, number)
+    number = {"np.float32": np.float32(2.5), "np.int64": np.int64(3), "np.bool_": np.bool_(True)}.get(number, number)
     model = GemmThen(lambda m, x, y: torch.relu(m.fc(x)) / y).to(dtype)
     optimized = fxfuse.optimize(model)
     x = rows(dtype=dtype)
