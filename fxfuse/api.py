@@ -461,14 +461,12 @@ def _hooked_outputs(gm: fx.GraphModule, model: nn.Module, example_inputs) -> dic
 
     # Registered last, each sees the output after the user's hooks replaced it.
     handles = [module.register_forward_hook(record) for module in nodes]
-    tensors = [*model.parameters(), *(t for t in pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor))]
-    guard = _RefusingWritesInto(tensors)
     try:
-        ran = _run_leaving_it_as_it_was(model, example_inputs, "learn what its hooked modules return", guard)
+        ran = _run_leaving_it_as_it_was(model, example_inputs, "learn what its hooked modules return")
     finally:
         for handle in handles:
             handle.remove()
-    if not ran or guard.refused:  # (a forward that caught the refusal ran on without that write)
+    if not ran:
         return {}
     known: dict[fx.Node, _TensorMetadata] = {}
     for module, module_nodes in nodes.items():
@@ -540,13 +538,14 @@ def _children_inputs(model: nn.Module, example_inputs) -> dict[str, tuple]:
     return seen
 
 
-def _run_leaving_it_as_it_was(model: nn.Module, example_inputs, purpose: str,
-                              guard=contextlib.nullcontext()) -> bool:
-    """Run `model` once on `example_inputs`, for what the hooks registered on it beforehand record, with `guard`
-    entered around the forward. False (logged) if it raised."""
+def _run_leaving_it_as_it_was(model: nn.Module, example_inputs, purpose: str) -> bool:
+    """Run `model` once on `example_inputs`, for what the hooks registered on it beforehand record. False (logged)
+    if it raised, or would have written into a parameter or an example input (it stops there)."""
     # The run must change neither the model nor the random streams of the devices it touches (a dropout would
-    # move the caller's stream on).
-    tensors = [*model.parameters(), *model.buffers(), *(t for t in example_inputs if isinstance(t, torch.Tensor))]
+    # move the caller's stream on); buffers and attributes are put back, parameters and inputs never written.
+    inputs = [t for t in pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor)]
+    guard = _RefusingWritesInto([*model.parameters(), *inputs])
+    tensors = [*model.parameters(), *model.buffers(), *inputs]
     cuda_devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
     try:
         with _model_kept_as_it_was(model), torch.no_grad(), torch.random.fork_rng(devices=cuda_devices):
@@ -555,7 +554,7 @@ def _run_leaving_it_as_it_was(model: nn.Module, example_inputs, purpose: str,
     except Exception as error:
         logger.info("fxfuse: could not run the model to %s: %s", purpose, error)
         return False
-    return True
+    return not guard.refused  # (a forward that caught the refusal ran on without that write)
 
 
 def _as_positional(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:

@@ -1212,6 +1212,31 @@ def test_a_forward_that_changes_its_model_is_not_traced_and_the_model_stays_as_i
             assert_close_report(optimized(x), expected(x))
 
 
+class ClampsItsInputThenBranches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(IN, OUT)
+        self.act = nn.Sequential(nn.Linear(OUT, OUT), nn.ReLU())
+
+    def forward(self, x):
+        x.clamp_(0.0, 0.5)
+        if x.sum() > 0:  # data-dependent: no trace of the whole, its children are tried with the inputs they see
+            return self.act(self.fc(x))
+        return x
+
+
+def test_the_run_that_finds_childrens_inputs_leaves_the_example_inputs_as_they_were():
+    """That run called the forward on the user's example inputs, whose clamp_ changed them; it now stops before
+    any write into an example input or a parameter, and the children are optimized without their inputs."""
+    model, x = ClampsItsInputThenBranches().eval(), torch.rand(BATCH, IN)
+    given = x.clone()
+    optimized = fxfuse.optimize(model, (x,))
+    assert torch.equal(x, given)
+    assert fused_op_count(optimized) == 1  # act's linear and relu
+    with torch.no_grad():
+        assert_close_report(optimized(x.clone()), model(x.clone()))
+
+
 class ScalesItsBufferInForward(nn.Module):
     def __init__(self):
         super().__init__()
