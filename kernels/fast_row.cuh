@@ -251,8 +251,9 @@ __device__ __forceinline__ void fast_norm(const Ctx& ctx, const Instruction& ins
   if constexpr (VEC == 8) {
     // 16-bit rows with nn.GroupNorm's or nn.LayerNorm's affine request the weight and bias before the statistics,
     // so that the loads wait under them (16 registers at 16 values a thread; bf16 mish 15.1 -> 14.4 us, leaky_sum
-    // 10.0 -> 9.5, variant 74); fp32 would spill. Groups across warps keep the late loads, as the held params would live through
-    // the exchange's barriers (hardtanh 13.6 -> 13.2 us, variant 75).
+    // 10.0 -> 9.5, variant 74; at 32 values, min_bias 15.5 -> 15.0, variant 99 against 98); fp32 would spill.
+    // Groups across warps keep the late loads, as the held params would live through the exchange's barriers
+    // (hardtanh 13.6 -> 13.2 us, variant 75).
     const bool in_warp = ins.chunks_per_group == 1 && ins.lanes_per_group <= 32;
     if (weighted && biased && in_warp) {
       uint4 w_raw[CHUNKS], b_raw[CHUNKS];

@@ -313,9 +313,8 @@ bool epilogue_launches_early(const at::Tensor& x) {
   return major >= 9;
 }
 
-// The row kernel (the fast one where `fast`: lay_out_for_fast_kernel; else the general interpreter with or without
-// slots)
-// and the broadcast tail, where the program has them.
+// The row kernel (the fast one where `fast`, as lay_out_for_fast_kernel decided; else the general interpreter,
+// with or without slots) and the broadcast tail, where the program has them.
 template <class Storage>
 void launch(const Binding& binding, const RowProgram& row, const std::optional<RowLayout>& layout,
             int64_t shared_bytes, bool fast, const TailProgram& tail, bool early, cudaStream_t stream) {
@@ -449,7 +448,8 @@ Outputs run_gemm_epilogue(const at::Tensor& x, const at::Tensor& weight, const s
 
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const bool early = epilogue_launches_early(x);
-  if (x.scalar_type() == at::kFloat) launch<Fp32Storage>(binding, row, layout, shared_bytes, fast, tail, early, stream);
+  if (x.scalar_type() == at::kFloat)
+    launch<Fp32Storage>(binding, row, layout, shared_bytes, fast, tail, early, stream);
   else if (x.scalar_type() == at::kBFloat16)
     launch<Bf16Storage>(binding, row, layout, shared_bytes, fast, tail, early, stream);
   else launch<Fp16Storage>(binding, row, layout, shared_bytes, fast, tail, early, stream);

@@ -19,8 +19,8 @@ constexpr int kMaxRowThreads = 1024;   // threads per row at most; __launch_boun
 constexpr int kMaxRowFeatures = kRowValues * kMaxRowThreads;
 
 // Values per thread of the fast row kernel (fast_row.cuh) for storage of `vec` values per 16-byte vector: 32 in
-// 16-bit storage, at 128 registers (bf16 hardtanh 13.1 -> 12.4 us, min_bias's row kernel and tail 15.8 -> 15.5,
-// variant 97), 16 in fp32, where 32 was slower (hardtanh 18.2 -> 19.7).
+// 16-bit storage, at 128 registers (bf16 min_bias's row kernel and tail 15.7 -> 15.0 us, mish 14.5 -> 14.3,
+// variant 98), 16 in fp32, where 32 was slower (hardtanh 18.2 -> 19.7 us, variant 97).
 __host__ __device__ constexpr int fast_row_values(int vec) { return vec == 8 ? 32 : kRowValues; }
 __host__ __device__ constexpr int fast_row_threads(int vec) { return kMaxRowFeatures / fast_row_values(vec); }
 
