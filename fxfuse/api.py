@@ -28,6 +28,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .report import MissRow, Report
+from .match import MODE_SETTERS
 from .canonicalize import CALL_HOOK_DICTS, augmented_assignment, has_call_hooks, hooks_of, signatures_of
 from .rewrite import GRAPH_HELPERS, fuse_graph
 
@@ -116,12 +117,6 @@ def _unpickle_fused(rebuild, args) -> FusedGraphModule:
     return fused
 
 
-# What `torch.no_grad()`, `torch.enable_grad()`, `torch.set_grad_enabled(...)`, `torch.inference_mode()` and
-# `torch.autocast(...)` call on entry and exit (looked up on their module at each call).
-_MODE_SETTERS = ((torch._C, "_set_grad_enabled", "grad mode"), (torch._C, "_InferenceMode", "inference mode"),
-                 (torch, "set_autocast_enabled", "autocast"))
-
-
 @contextlib.contextmanager
 def _watching_mode_switches():
     """Collects the modes a forward switches while fx traces it. The trace records the ops, not the mode they ran
@@ -129,7 +124,7 @@ def _watching_mode_switches():
     The setters are wrapped for the trace's duration (a call from another thread meanwhile counts too: the
     model is then tried child by child, which is never wrong)."""
     switched: list[str] = []
-    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in _MODE_SETTERS]
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in MODE_SETTERS]
 
     def recording(function, what):
         def record(*args, **kwargs):
@@ -137,7 +132,7 @@ def _watching_mode_switches():
             return function(*args, **kwargs)
         return record
 
-    for (owner, name, function), (_, _, what) in zip(originals, _MODE_SETTERS):
+    for (owner, name, function), (_, _, what) in zip(originals, MODE_SETTERS):
         setattr(owner, name, recording(function, what))
     try:
         yield switched

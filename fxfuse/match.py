@@ -71,13 +71,29 @@ class NearMiss:
 
 # ---------------------------------------------------------------- facts about tensors
 
-# Dynamo's graphs mark where a `with torch.autocast(...)` block starts and ends, and where grad mode changes
-# (`with torch.no_grad():`): a fused op runs under one state, that of the region's last op.
-_INFERENCE_MODE_SWITCHES = tuple(getattr(torch.autograd.grad_mode, name) for name in (
-    "_enter_inference_mode", "_exit_inference_mode") if hasattr(torch.autograd.grad_mode, name))
-_MODE_SWITCHES = (torch._C._set_grad_enabled,) + _INFERENCE_MODE_SWITCHES + tuple(
-    getattr(torch.amp.autocast_mode, name) for name in ("_enter_autocast", "_exit_autocast")
-    if hasattr(torch.amp.autocast_mode, name))
+# Every torch function that sets grad, inference or autocast state, as (owner, name, the mode it switches), where
+# this torch has it. Dynamo's graphs hold them (a `with torch.autocast(...)` block as `_enter_autocast`, a setter
+# called as a function as itself) and optimize() watches them while fx traces (torch.set_grad_enabled and
+# torch.no_grad call `_set_grad_enabled`): a fused op runs under one state, that of the region's last op.
+_AUTOCAST_SETTERS = ("set_autocast_enabled", "set_autocast_dtype", "set_autocast_cache_enabled",
+                     "autocast_increment_nesting", "autocast_decrement_nesting", "clear_autocast_cache",
+                     *(f"set_autocast_{device}_{setting}" for device in ("cpu", "gpu", "ipu", "xla")
+                       for setting in ("enabled", "dtype")))
+MODE_SETTERS = tuple((owner, name, mode) for owners, names, mode in (
+    ((torch._C,), ("_set_grad_enabled", "_set_fwd_grad_enabled"), "grad mode"),
+    ((torch._C,), ("_InferenceMode",), "inference mode"),
+    ((torch.autograd.grad_mode,), ("_enter_inference_mode", "_exit_inference_mode"), "inference mode"),
+    ((torch.amp.autocast_mode,), ("_enter_autocast", "_exit_autocast"), "autocast"),
+    ((torch, torch._C), (*_AUTOCAST_SETTERS, *("_" + name for name in _AUTOCAST_SETTERS)), "autocast"),
+) for owner in owners for name in names if hasattr(owner, name))
+_MODE_SWITCHES = [(getattr(owner, name), mode) for owner, name, mode in MODE_SETTERS]
+
+
+def _mode_switched_by(node: fx.Node) -> str | None:
+    """The mode that `node` switches, if it calls a setter (by identity: a target need not be hashable)."""
+    if node.op != "call_function":
+        return None
+    return next((mode for setter, mode in _MODE_SWITCHES if setter is node.target), None)
 
 
 @dataclass
@@ -118,7 +134,7 @@ class Facts:
     @functools.cached_property
     def mode_switches(self) -> list[fx.Node]:
         """The nodes that start or end an autocast block or change grad mode (Dynamo's graphs hold them)."""
-        return [n for n in self.gm.graph.nodes if n.op == "call_function" and n.target in _MODE_SWITCHES]
+        return [n for n in self.gm.graph.nodes if _mode_switched_by(n)]
 
     def tensor(self, obj) -> torch.Tensor | None:
         """A real or fake tensor with the shape and dtype of `obj`, or None if unknown."""
@@ -341,9 +357,7 @@ class _Growth:
             return f"the value of {describe(node)} is never used (with example inputs it would be dropped)"
         switch = self.mode_switch_before(node)
         if switch is not None:  # the fused op runs where the region's last op was, under that op's modes
-            what = ("grad mode" if switch.target is torch._C._set_grad_enabled
-                    else "inference mode" if switch.target in _INFERENCE_MODE_SWITCHES else "autocast")
-            return f"{describe(switch)} switches {what} between the GEMM and {describe(node)}"
+            return f"{describe(switch)} switches {_mode_switched_by(switch)} between the GEMM and {describe(node)}"
         mutated = self.facts.resolve(c.inplace_of)
         if mutated is not None and mutated not in self.member_set:
             return f"in-place {describe(node)} mutates {describe(mutated)}, which is outside the region"

@@ -190,3 +190,66 @@ def test_optimize_leaves_a_forward_with_an_autocast_block_to_its_children():
     assert torch.equal(actual, expected)
     (skipped,) = optimized.fxfuse_report.skipped
     assert "switches autocast" in skipped.reason, skipped.reason
+
+
+class SwitchesAutocastAroundItsGemm(nn.Module):
+    """Calls an autocast setter as a function (no `with` block) before its GEMM, and puts the setting back as it
+    was between the GEMM and the epilogue."""
+
+    def __init__(self, setter):
+        super().__init__()
+        self.fc = nn.Linear(32, 24)
+        self.read, self.write, self.value = AUTOCAST_SETTERS[setter]
+
+    def forward(self, x):
+        before = self.read()
+        self.write(self.value)
+        h = self.fc(x)
+        self.write(before)
+        return torch.tanh(h) * 3.0
+
+
+# name: (what reads the setting, the setter, the value it sets for the GEMM)
+AUTOCAST_SETTERS = {
+    "set_autocast_enabled": (lambda: torch.is_autocast_enabled("cpu"),
+                             lambda value: torch.set_autocast_enabled("cpu", value), False),
+    "set_autocast_dtype": (lambda: torch.get_autocast_dtype("cpu"),
+                           lambda value: torch.set_autocast_dtype("cpu", value), torch.float16),
+    "set_autocast_cpu_enabled": (lambda: torch.is_autocast_cpu_enabled(),  # deprecated aliases
+                                 lambda value: torch.set_autocast_cpu_enabled(value), False),
+}
+
+
+def _under_bf16_autocast(model, compiled, x):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return model(x), compiled(x)
+
+
+@pytest.mark.parametrize("setter", ["set_autocast_enabled", "set_autocast_dtype"])
+def test_a_region_never_spans_an_autocast_setter_call(setter):
+    """Dynamo's graph holds the setter itself (torch.set_autocast_dtype, ...), not an `_enter_autocast`: the
+    region stopped only at a block's start or end, so the fused op ran its GEMM under the epilogue's setting, the
+    caller's bf16 (eager's GEMM ran in fp32 or fp16)."""
+    torch.manual_seed(0)
+    model, x = SwitchesAutocastAroundItsGemm(setter).eval(), torch.randn(16, 32)
+    backend = fxfuse.make_backend(inner="aot_eager")
+    expected, actual = _under_bf16_autocast(model, torch.compile(model, backend=backend), x)
+    assert_close_report(actual, expected)
+    reasons = [row.reason for report in backend.reports for row in report.near_misses]
+    assert any("switches autocast" in reason for reason in reasons), reasons
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.set_autocast_cpu_enabled's
+@pytest.mark.parametrize("setter", ["set_autocast_dtype", "set_autocast_cpu_enabled"])
+def test_optimize_leaves_a_forward_that_calls_an_autocast_setter_to_its_children(setter):
+    """An fx trace runs the setter at trace time and records nothing of it: the GEMM followed the caller's
+    autocast (bf16 where eager's ran in fp16 or fp32). Only torch.set_autocast_enabled was watched."""
+    if not hasattr(torch, setter):
+        pytest.skip(f"this torch has no torch.{setter}")
+    torch.manual_seed(0)
+    model, x = SwitchesAutocastAroundItsGemm(setter).eval(), torch.randn(16, 32)
+    optimized = fxfuse.optimize(model, (x,))
+    expected, actual = _under_bf16_autocast(model, optimized, x)
+    assert_close_report(actual, expected)
+    (skipped,) = optimized.fxfuse_report.skipped
+    assert "switches autocast" in skipped.reason, skipped.reason
