@@ -123,15 +123,19 @@ def pin_traced_scalars(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> int
     value fail loudly instead of computing with a stale one. Only reads that feed ops of the fxfuse
     vocabulary are pinned, and only of attributes (`_ATTRIBUTE_OF_A_LOCAL`): a float the caller passes
     (`forward(x, scale)`, `cfg["scale"]`, `*args`) or a global changes from call to call and stays a traced value
-    (the op that reads it is then not fused). Returns how many were.
+    (the op that reads it is then not fused). So does the ``.item()`` of a 0-d tensor attribute (a learnable
+    temperature, with ``capture_scalar_outputs``): Dynamo passes the tensor itself, not a float (its grapharg's
+    ``pass_arg_as_tensor`` is False), and its value changes with no recompile. Returns how many were.
     """
     from .canonicalize import canonical_of
 
-    def passed_by_caller(placeholder):
-        source = getattr(placeholder.meta.get("grapharg"), "source", None)
-        name = getattr(source, "name", None)
+    def pinnable(placeholder):
+        grapharg = placeholder.meta.get("grapharg")
+        if not getattr(grapharg, "pass_arg_as_tensor", False):  # a real tensor, or unknown: never pinned
+            return False
+        name = getattr(getattr(grapharg, "source", None), "name", None)
         name = name() if callable(name) else name  # a method before torch 2.12, a property since
-        return not (isinstance(name, str) and _ATTRIBUTE_OF_A_LOCAL.match(name))
+        return isinstance(name, str) and bool(_ATTRIBUTE_OF_A_LOCAL.match(name))
 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     value_of = dict(zip(placeholders, example_inputs))
@@ -142,7 +146,7 @@ def pin_traced_scalars(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> int
         source = value_of[node.args[0]]
         if not (_is_real_tensor(source) and source.dim() == 0 and source.is_floating_point()):
             continue
-        if passed_by_caller(node.args[0]):
+        if not pinnable(node.args[0]):
             continue
         if not node.users or any(canonical_of(user, gm) is None for user in node.users):
             continue

@@ -175,3 +175,28 @@ def test_pinned_float_check_fails_loudly_if_the_graph_is_reused_with_another_val
     inputs[floats[0]] = torch.tensor(0.5, dtype=torch.float64)
     with pytest.raises(RuntimeError, match="when this graph was compiled"):
         gm(*inputs)
+
+
+class LearnedTemperature(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 32)
+        self.temp = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x):
+        return torch.softmax(self.fc(x) * self.temp.item(), -1)
+
+
+def test_the_item_of_a_tensor_attribute_is_not_pinned():
+    """With capture_scalar_outputs, `self.temp.item()` of a 0-d parameter is read in the graph like a module float
+    that Dynamo passes as a tensor, but its value changes with no recompile (training, fill_): it was pinned, and
+    every call after a change raised. It stays a traced value (the op that reads it is not fused)."""
+    model, x = LearnedTemperature(), torch.randn(4, 16)
+    backend = fxfuse.make_backend(inner="eager")
+    with torch._dynamo.config.patch(capture_scalar_outputs=True), torch.no_grad():
+        compiled = torch.compile(model, backend=backend)
+        for value in (2.0, 3.0, 0.5):
+            model.temp.fill_(value)
+            assert_close_report(compiled(x), model(x))
+    reasons = [row.reason for report in backend.reports for row in report.near_misses]
+    assert any("is not a tensor" in reason for reason in reasons), reasons  # the mul that reads the .item()
