@@ -4,21 +4,21 @@
 //
 //   y[row] = program(gemm_output[row]), or one value per row after a row reduction.
 //
-// Strategy: a persistent grid of row groups, each thread holding fast_row_values(VEC) values of its row in registers
-// (32 in 16-bit storage, 16 in fp32: program_format.cuh) in the chunk layout of interpreter.cuh (chunk c of lane t
-// at (c * TPR + t) * VEC). The next row is copied into shared memory (cp.async) while one computes; params are read
-// by pointer as 16-byte vectors; one dispatch per instruction: a range test sends unary ops to their switch, the
-// rest switch on the op (binary ops then on the operand kind, once; norms and reductions into the statistic code,
-// inline for groups inside a warp, and with one exchange of Chan-merged (mean, M2) pairs for groups across warps).
-// The kernel may launch while the GEMM finishes, and waits for it on the GPU (launch_kernel, interpreter.cuh).
-// dev/NOTES.md has the measurements of each choice (variants 31-49, 78).
+// Strategy: a persistent grid of row groups, each thread holding VALUES values of its row in registers (32 for
+// 16-bit rows of more than 512 features, else 16: fast_row_values, program_format.cuh) in the chunk layout of
+// interpreter.cuh (chunk c of lane t at (c * TPR + t) * VEC). The next row is copied into shared memory (cp.async)
+// while one computes; params are read by pointer as 16-byte vectors; one dispatch per instruction: a range test
+// sends unary ops to their switch, the rest switch on the op (binary ops then on the operand kind, once; norms and
+// reductions into the statistic code, inline for groups inside a warp, and with one exchange of Chan-merged (mean,
+// M2) pairs for groups across warps). The kernel may launch while the GEMM finishes, and waits for it on the GPU
+// (launch_kernel, interpreter.cuh). dev/NOTES.md has the measurements of each choice (variants 31-49, 78).
 //
-// Four builds per storage type, chosen by the launcher: WHOLE_ROWS (features == TPR * values, as for 1024,
-// 2048, 4096 or 8192 features) compiles the chunk masks away; ALL_UNARY_OPS false leaves out the unary ops that
-// call libdevice (CallsLibm), whose code slowed every other program by 4-12% (variant 42). On whole rows, the
+// Four builds per storage type and VALUES, chosen by the launcher: WHOLE_ROWS (features == TPR * VALUES, as for
+// 1024, 2048, 4096 or 8192 features) compiles the chunk masks away; ALL_UNARY_OPS false leaves out the unary ops
+// that call libdevice (CallsLibm), whose code slowed every other program by 4-12% (variant 42). On whole rows, the
 // programs of FXFUSE_ROW_CHAINS (program_format.cuh) run chain_row_kernel instead: the same row loop with each
-// instruction's op fixed at compile time (fast_op), no dispatch (11-25% less time than interpreted, variant 57);
-// a chain's last whole-row min (amin or min_dim) folds by atomics in shared memory, without barriers (fold_row_min).
+// instruction's op fixed at compile time (fast_op), no dispatch (11-25% less time than interpreted, variant 57); a
+// chain's last whole-row min (amin or min_dim) folds by atomics in shared memory, without barriers (fold_row_min).
 //
 // Limits (fits_fast_row_kernel says whether a program qualifies; the launcher in gemm_epilogue.cpp falls back to
 // row_program_kernel otherwise): rows of whole 16-byte vectors, no slots, no batch_norm, groups that the lanes
@@ -35,7 +35,7 @@ namespace fxfuse {
 // ================================================================ operands
 
 // The fast kernel's view of a row: RowContext, whose chunks are all whole where the launcher says every row is
-// (WHOLE_ROWS: features == TPR * fast_row_values(VEC)), so that the chunk masks of the loads, stores and statistics
+// (WHOLE_ROWS: features == TPR * VALUES), so that the chunk masks of the loads, stores and statistics
 // compile away.
 template <class S, int CHUNKS, bool WHOLE_ROWS>
 struct FastRowContext : RowContext<S, CHUNKS, false> {
@@ -403,10 +403,10 @@ __device__ __forceinline__ void fold_row_min(const Ctx& ctx, const Values<CHUNKS
 // group of rows. Staging slot c of thread t is vector c * blockDim.x + t of the dynamic shared memory (stage_row,
 // unstage_chunks). run_program(ctx, cur, shared) applies the program to one row's values; MIN_BY_ATOMICS: all but
 // its last op, a whole-row min, which fold_row_min then runs and stores.
-template <class S, bool WHOLE_ROWS, bool MIN_BY_ATOMICS = false, class RunProgram>
+template <class S, int VALUES, bool WHOLE_ROWS, bool MIN_BY_ATOMICS = false, class RunProgram>
 __device__ __forceinline__ void run_rows(const RowProgram& prog, RunProgram run_program) {
   constexpr int VEC = S::VEC;
-  constexpr int CHUNKS = fast_row_values(VEC) / VEC;
+  constexpr int CHUNKS = VALUES / VEC;
   using Ctx = FastRowContext<S, CHUNKS, WHOLE_ROWS>;
   using Raw = typename S::Raw;
   __shared__ FastRowShared<CHUNKS> shared;
@@ -458,10 +458,10 @@ __device__ __forceinline__ void run_rows(const RowProgram& prog, RunProgram run_
 }
 
 // Any program the fast kernel takes, interpreted: one dispatch per instruction.
-template <class S, bool WHOLE_ROWS, bool ALL_UNARY_OPS>
-__global__ void __launch_bounds__(fast_row_threads(S::VEC), 1)
+template <class S, int VALUES, bool WHOLE_ROWS, bool ALL_UNARY_OPS>
+__global__ void __launch_bounds__(fast_row_threads(VALUES), 1)
     fast_row_kernel(const __grid_constant__ RowProgram prog) {
-  run_rows<S, WHOLE_ROWS>(prog, [&](const auto& ctx, auto& cur, auto& shared) {
+  run_rows<S, VALUES, WHOLE_ROWS>(prog, [&](const auto& ctx, auto& cur, auto& shared) {
     for (int pc = 0; pc < prog.num_instructions; ++pc)
       fast_instruction<S, WHOLE_ROWS, ALL_UNARY_OPS>(ctx, prog.code[pc], cur, shared);
   });
@@ -471,19 +471,19 @@ __global__ void __launch_bounds__(fast_row_threads(S::VEC), 1)
 // so there is no dispatch and no switch join between the ops; attributes, params and group shapes still come from
 // the program.
 // MIN_BY_ATOMICS: the last op, a whole-row min, runs as fold_row_min (the launcher sets row_min_slots).
-template <class S, bool MIN_BY_ATOMICS, Opcode... OPS>
-__global__ void __launch_bounds__(fast_row_threads(S::VEC), 1)
+template <class S, int VALUES, bool MIN_BY_ATOMICS, Opcode... OPS>
+__global__ void __launch_bounds__(fast_row_threads(VALUES), 1)
     chain_row_kernel(const __grid_constant__ RowProgram prog) {
   constexpr Opcode kOps[] = {OPS...};
   constexpr int kLast = sizeof...(OPS) - 1;
   if constexpr (MIN_BY_ATOMICS) {
     static_assert(statistic_of(kOps[kLast]) == Statistic::Min, "the build that folds a last row min by atomics");
-    run_rows<S, true, true>(prog, [&](const auto& ctx, auto& cur, auto& shared) {
+    run_rows<S, VALUES, true, true>(prog, [&](const auto& ctx, auto& cur, auto& shared) {
       int pc = 0;
       (((pc < kLast ? fast_op<S, true, OPS>(ctx, prog.code[pc], cur, shared) : void()), ++pc), ...);
     });
   } else {
-    run_rows<S, true>(prog, [&](const auto& ctx, auto& cur, auto& shared) {
+    run_rows<S, VALUES, true>(prog, [&](const auto& ctx, auto& cur, auto& shared) {
       int pc = 0;
       (fast_op<S, true, OPS>(ctx, prog.code[pc++], cur, shared), ...);
     });
@@ -495,45 +495,48 @@ __global__ void __launch_bounds__(fast_row_threads(S::VEC), 1)
 using RowKernel = void (*)(RowProgram);
 
 // The chain's build that folds its last row min by atomics, or nullptr where the last op is not a row min.
-template <class S, Opcode... OPS>
+template <class S, int VALUES, Opcode... OPS>
 RowKernel row_min_build() {
   constexpr Opcode kOps[] = {OPS...};
-  if constexpr (statistic_of(kOps[sizeof...(OPS) - 1]) == Statistic::Min) return chain_row_kernel<S, true, OPS...>;
-  else return nullptr;
+  if constexpr (statistic_of(kOps[sizeof...(OPS) - 1]) == Statistic::Min)
+    return chain_row_kernel<S, VALUES, true, OPS...>;
+  else
+    return nullptr;
 }
 
 // The chain kernel of this program's opcode sequence (MIN_BY_ATOMICS: its row_min_build), or nullptr.
-template <class S, bool MIN_BY_ATOMICS>
+template <class S, int VALUES, bool MIN_BY_ATOMICS>
 RowKernel chain_kernel(const RowProgram& prog) {
 #define FXFUSE_CHAIN_ENTRY(...)                                                                                  \
-  chain_entry<RowKernel, __VA_ARGS__>(MIN_BY_ATOMICS ? row_min_build<S, __VA_ARGS__>()                           \
-                                                     : chain_row_kernel<S, false, __VA_ARGS__>),
+  chain_entry<RowKernel, __VA_ARGS__>(MIN_BY_ATOMICS ? row_min_build<S, VALUES, __VA_ARGS__>()                   \
+                                                     : chain_row_kernel<S, VALUES, false, __VA_ARGS__>),
   static const ChainEntry<RowKernel> chains[] = {FXFUSE_ROW_CHAINS(FXFUSE_CHAIN_ENTRY)};
 #undef FXFUSE_CHAIN_ENTRY
   return find_chain(chains, prog.code, prog.num_instructions);
 }
 
-template <class S>
+template <class S, int VALUES>
 void launch_fast_row_program(const RowProgram& prog, const RowLaunch& launch, cudaStream_t stream) {
-  constexpr int kValues = fast_row_values(S::VEC);
-  const bool whole_rows = prog.features == prog.threads_per_row * kValues;
+  const bool whole_rows = prog.features == prog.threads_per_row * VALUES;
   const bool all_unary_ops = uses_libm_unary_op(prog);
-  RowKernel kernel = whole_rows ? chain_kernel<S, false>(prog) : nullptr;
+  RowKernel kernel = whole_rows ? chain_kernel<S, VALUES, false>(prog) : nullptr;
   const bool chained = kernel != nullptr;
   if (kernel == nullptr)
-    kernel = whole_rows ? (all_unary_ops ? fast_row_kernel<S, true, true> : fast_row_kernel<S, true, false>)
-                        : (all_unary_ops ? fast_row_kernel<S, false, true> : fast_row_kernel<S, false, false>);
+    kernel = whole_rows ? (all_unary_ops ? fast_row_kernel<S, VALUES, true, true>
+                                         : fast_row_kernel<S, VALUES, true, false>)
+                        : (all_unary_ops ? fast_row_kernel<S, VALUES, false, true>
+                                         : fast_row_kernel<S, VALUES, false, false>);
   const int threads = launch.rows_per_block * prog.threads_per_row;
   RowProgram sized = prog;
   sized.row_groups = (prog.rows + launch.rows_per_block - 1) / launch.rows_per_block;
-  const int64_t staging_bytes = int64_t{threads} * kValues * sizeof(typename S::Raw);
+  const int64_t staging_bytes = int64_t{threads} * VALUES * sizeof(typename S::Raw);
   const RowGrid grid = row_grid(kernel, threads, staging_bytes);
   const unsigned blocks = static_cast<unsigned>(std::min(sized.row_groups, grid.blocks));
   const int64_t slots = (sized.row_groups + blocks - 1) / blocks * launch.rows_per_block;  // rows a block takes
   const bool rows_across_warps = prog.threads_per_row > 32;
   RowKernel min_by_atomics = nullptr;
   if (chained && prog.output_per_row && rows_across_warps && slots <= kRowMinSlots)
-    min_by_atomics = chain_kernel<S, true>(prog);
+    min_by_atomics = chain_kernel<S, VALUES, true>(prog);
   sized.row_min_slots = 0;
   if (min_by_atomics != nullptr) {
     row_grid(min_by_atomics, threads, staging_bytes);  // its shared-memory attribute; the chain's occupancy

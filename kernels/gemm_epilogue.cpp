@@ -39,6 +39,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "program_binding.cuh"
@@ -313,16 +314,25 @@ bool epilogue_launches_early(const at::Tensor& x) {
   return major >= 9;
 }
 
-// The row kernel (the fast one where `fast`, as lay_out_for_fast_kernel decided; else the general interpreter,
-// with or without slots) and the broadcast tail, where the program has them.
+// The fast row kernel's build of `values` a thread (fp32 has one, of kRowValues).
+template <class Storage>
+void launch_fast_row(const RowProgram& row, const RowLaunch& row_launch, int values, cudaStream_t stream) {
+  if constexpr (!std::is_same_v<Storage, Fp32Storage>) {
+    if (values == kLongRowValues) return launch_fast_row_program<Storage, kLongRowValues>(row, row_launch, stream);
+  }
+  launch_fast_row_program<Storage, kRowValues>(row, row_launch, stream);
+}
+
+// The row kernel (the fast one where lay_out_for_fast_kernel gave its values a thread, `fast_values`; else the
+// general interpreter, with or without slots) and the broadcast tail, where the program has them.
 template <class Storage>
 void launch(const Binding& binding, const RowProgram& row, const std::optional<RowLayout>& layout,
-            int64_t shared_bytes, bool fast, const TailProgram& tail, bool early, cudaStream_t stream) {
+            int64_t shared_bytes, int fast_values, const TailProgram& tail, bool early, cudaStream_t stream) {
   if (!binding.row_code.empty()) {
     const RowLaunch row_launch{layout->rows_per_block, shared_bytes, early};
     const bool general = needs_general_row_kernel(row);
-    if (fast) {
-      launch_fast_row_program<Storage>(row, row_launch, stream);
+    if (fast_values > 0) {
+      launch_fast_row<Storage>(row, row_launch, fast_values, stream);
     } else if (binding.slots_used > 0) {
       if (general) launch_row_program<Storage, kMaxSlots, true>(row, row_launch, stream);
       else launch_row_program<Storage, kMaxSlots, false>(row, row_launch, stream);
@@ -334,23 +344,24 @@ void launch(const Binding& binding, const RowProgram& row, const std::optional<R
   if (binding.has_tail) launch_broadcast_tail<Storage>(tail, early, stream);
 }
 
-// Whether the fast row kernel runs `row`, laid out for it: at its own values per thread (fast_row_values), which
-// in 16-bit storage differ from the general kernel's, so that the layout and the groups are placed again.
-bool lay_out_for_fast_kernel(RowProgram& row, std::optional<RowLayout>& layout, int vec, int slots_used) {
-  const int values = fast_row_values(vec);
-  if (values == kRowValues) return fits_fast_row_kernel(row, slots_used);
+// The fast row kernel's values a thread where it runs `row`, laid out for it (0 where it does not): its own
+// (fast_row_values), which for long 16-bit rows differ from the general kernel's, so that the layout and the
+// groups are placed again.
+int lay_out_for_fast_kernel(RowProgram& row, std::optional<RowLayout>& layout, int vec, int slots_used) {
+  const int values = fast_row_values(vec, row.features);
+  if (values == kRowValues) return fits_fast_row_kernel(row, slots_used) ? values : 0;
   const std::optional<RowLayout> fast_layout = choose_row_layout(row.features, values);
-  if (!fast_layout) return false;
+  if (!fast_layout) return 0;
   RowProgram relaid = row;
   std::vector<Instruction> code(row.code, row.code + row.num_instructions);
-  if (place_groups(code, *fast_layout, vec, row.features) != 0) return false;  // groups in shared memory
+  if (place_groups(code, *fast_layout, vec, row.features) != 0) return 0;  // groups in shared memory
   std::copy(code.begin(), code.end(), relaid.code);
   relaid.threads_per_row = fast_layout->threads_per_row;
   relaid.group_shared_floats = 0;
-  if (!fits_fast_row_kernel(relaid, slots_used)) return false;
+  if (!fits_fast_row_kernel(relaid, slots_used)) return 0;
   row = relaid;
   layout = fast_layout;
-  return true;
+  return values;
 }
 
 // The broadcast tail's output. Where the row phase wrote elsewhere and y is not returned, y is dead once the row
@@ -398,7 +409,7 @@ Outputs run_gemm_epilogue(const at::Tensor& x, const at::Tensor& weight, const s
 
   std::optional<RowLayout> layout;
   int64_t shared_bytes = 0;
-  bool fast = false;  // the fast row kernel runs the row phase
+  int fast_values = 0;  // > 0: the fast row kernel runs the row phase, at that many values a thread
   if (!binding.row_code.empty()) {
     layout = choose_row_layout(features);
     if (!layout) return fallback("rows too long for registers");
@@ -425,7 +436,7 @@ Outputs run_gemm_epilogue(const at::Tensor& x, const at::Tensor& weight, const s
     row.group_shared_floats = static_cast<int32_t>(shared_bytes / sizeof(float));
     row.vector_io = features % vec == 0;
     row.tail_follows = binding.has_tail;
-    fast = lay_out_for_fast_kernel(row, layout, vec, binding.slots_used);
+    fast_values = lay_out_for_fast_kernel(row, layout, vec, binding.slots_used);
   }
 
   at::Tensor output;
@@ -449,10 +460,10 @@ Outputs run_gemm_epilogue(const at::Tensor& x, const at::Tensor& weight, const s
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const bool early = epilogue_launches_early(x);
   if (x.scalar_type() == at::kFloat)
-    launch<Fp32Storage>(binding, row, layout, shared_bytes, fast, tail, early, stream);
+    launch<Fp32Storage>(binding, row, layout, shared_bytes, fast_values, tail, early, stream);
   else if (x.scalar_type() == at::kBFloat16)
-    launch<Bf16Storage>(binding, row, layout, shared_bytes, fast, tail, early, stream);
-  else launch<Fp16Storage>(binding, row, layout, shared_bytes, fast, tail, early, stream);
+    launch<Bf16Storage>(binding, row, layout, shared_bytes, fast_values, tail, early, stream);
+  else launch<Fp16Storage>(binding, row, layout, shared_bytes, fast_values, tail, early, stream);
   return {output, keep_gemm_output ? y.view(ctx.full) : at::Tensor()};
 }
 

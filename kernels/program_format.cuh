@@ -18,11 +18,15 @@ constexpr int kRowValues = 16;         // values per thread of the row kernels: 
 constexpr int kMaxRowThreads = 1024;   // threads per row at most; __launch_bounds__(1024, 1) caps registers at 64
 constexpr int kMaxRowFeatures = kRowValues * kMaxRowThreads;
 
-// Values per thread of the fast row kernel (fast_row.cuh) for storage of `vec` values per 16-byte vector: 32 in
-// 16-bit storage, at 128 registers (bf16 min_bias's row kernel and tail 15.7 -> 15.0 us, mish 14.5 -> 14.3,
-// variant 98), 16 in fp32, where 32 was slower (hardtanh 18.2 -> 19.7 us, variant 97).
-__host__ __device__ constexpr int fast_row_values(int vec) { return vec == 8 ? 32 : kRowValues; }
-__host__ __device__ constexpr int fast_row_threads(int vec) { return kMaxRowFeatures / fast_row_values(vec); }
+// Values per thread of the fast row kernel (fast_row.cuh) for rows of `features` in storage of `vec` values per
+// 16-byte vector: kLongRowValues for 16-bit rows longer than a warp holds at 16, at 128 registers (bf16 min_bias's
+// row kernel and tail 15.7 -> 15.0 us, mish 14.5 -> 14.3, variant 98); else 16: fp32 was slower at 32 (hardtanh
+// 18.2 -> 19.7 us, variant 97), and shorter rows would leave half of each thread's values past their end.
+constexpr int kLongRowValues = 32;
+__host__ __device__ constexpr int fast_row_values(int vec, int64_t features) {
+  return vec == 8 && features > 32 * kRowValues ? kLongRowValues : kRowValues;
+}
+__host__ __device__ constexpr int fast_row_threads(int values) { return kMaxRowFeatures / values; }
 
 // ================================================================ instruction format
 
@@ -297,7 +301,7 @@ inline bool uses_libm_unary_op(const RowProgram& prog) {
 // `stream` and checks the launch.
 template <class Storage, int SLOTS, bool GENERAL>
 void launch_row_program(const RowProgram& prog, const RowLaunch& launch, cudaStream_t stream);
-template <class Storage>
+template <class Storage, int VALUES>
 void launch_fast_row_program(const RowProgram& prog, const RowLaunch& launch, cudaStream_t stream);
 template <class Storage>
 void launch_broadcast_tail(const TailProgram& prog, bool early, cudaStream_t stream);

@@ -1,9 +1,9 @@
-// The fast row kernel for bf16 programs.
+// The fast row kernel for bf16 programs whose rows are longer than 512 features (32 values a thread).
 // One translation unit per kernel: ninja builds them in parallel.
 #include "fast_row.cuh"
 
 namespace fxfuse {
 
-template void launch_fast_row_program<Bf16Storage>(const RowProgram&, const RowLaunch&, cudaStream_t);
+template void launch_fast_row_program<Bf16Storage, kLongRowValues>(const RowProgram&, const RowLaunch&, cudaStream_t);
 
 }  // namespace fxfuse

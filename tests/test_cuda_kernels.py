@@ -275,6 +275,8 @@ ROW_KERNEL_CHOICES = [  # (program, n, param kinds, the row kernel that must run
     # op compiled in) or "light" (none that calls libdevice)
     # "chain": a program of FXFUSE_ROW_CHAINS on whole rows, compiled whole ("min by atomics": its last row min)
     ("add(%0,$0);hardtanh(%1,-1.0,1.0);mish(%2);group_norm(%3,$1,$2,16,1e-05)", 1024, ["feature", "affine"], "chain"),
+    # a warp's row at 16 values a thread in every dtype (16-bit rows take 32 past 512 features)
+    ("add(%0,$0);hardtanh(%1,-1.0,1.0);mish(%2);group_norm(%3,$1,$2,16,1e-05)", 512, ["feature", "affine"], "chain"),
     ("group_norm(%0,$0,$1,512,1e-05);min_dim(%1,1,True)", 8192, ["affine"], "chain, min by atomics"),
     ("group_norm(%0,$0,$1,512,1e-05);amin(%1,1,True)", 8192, ["affine"], "chain, min by atomics"),
     ("group_norm(%0,$0,$1,1,1e-05);hardtanh(%1,-2.0,2.0)", 1000, ["affine"], "fast part light"),  # a chain, part rows
@@ -296,7 +298,7 @@ def row_kernel_kind(name: str) -> str:
     if "chain_row_kernel" in name:
         return "chain, min by atomics" if ", true," in name else "chain"
     if "fast_row_kernel" in name:
-        _storage, whole_rows, all_unary_ops = name.split("<")[1].split(">")[0].split(", ")
+        _storage, _values, whole_rows, all_unary_ops = name.split("<")[1].split(">")[0].split(", ")
         rows = "whole" if whole_rows == "true" else "part"
         return f"fast {rows} {'all' if all_unary_ops == 'true' else 'light'}"
     return "general" if ", true>" in name else "lean"
@@ -315,17 +317,18 @@ def test_the_fastest_row_kernel_that_takes_the_program_runs(case, precision):
     assert_close_to_reference(out, x, weight, bias, params, program, bound_for(precision))
 
 
-def fast_row_values(dtype):
-    """Values a thread of the fast row kernel (fast_row_values, program_format.cuh): 16 in fp32, 32 in 16-bit."""
-    return 16 if dtype == torch.float32 else 32
+def fast_row_values(dtype, n):
+    """Values a thread of the fast row kernel (fast_row_values, program_format.cuh): 32 for 16-bit rows of more
+    than 512 features, else 16."""
+    return 32 if dtype != torch.float32 and n > 512 else 16
 
 
-def rows_past_the_row_min_slots(threads_per_block, dtype):
+def rows_past_the_row_min_slots(threads_per_block, dtype, n):
     """More rows than the 512 slots a block has for a chain's last row min (kRowMinSlots, fast_row.cuh) can take
-    with as many blocks as the GPU can hold at once: the fast kernel's registers a thread are capped at 64 in fp32
-    and 128 in 16-bit storage (its launch bounds), of an SM's 65536."""
+    with as many blocks as the GPU can hold at once: the fast kernel's registers a thread are capped at 64 for 16
+    values a thread and 128 for 32 (its launch bounds), of an SM's 65536."""
     properties = torch.cuda.get_device_properties(torch.cuda.current_device())
-    registers = 64 * fast_row_values(dtype) // 16
+    registers = 4 * fast_row_values(dtype, n)
     blocks_an_sm = min(properties.max_threads_per_multi_processor // threads_per_block,
                        65536 // (threads_per_block * registers))
     return 512 * properties.multi_processor_count * blocks_an_sm + 1
@@ -339,8 +342,8 @@ def test_a_chains_last_row_min_folds_by_atomics_while_its_slots_last(rows, preci
     it. One row leaves the block's other three rows idle; past the block's 512 slots the exchange between warps
     runs instead."""
     dtype = DTYPES[precision]
-    n = 64 * fast_row_values(dtype)  # 64 threads a row, 4 rows a block of 256 threads
-    m = {"one": 1, "a thousand": 1000, "past the slots": rows_past_the_row_min_slots(256, dtype)}[rows]
+    n = 64 * fast_row_values(dtype, 1024)  # 64 threads a row, 4 rows a block of 256 threads
+    m = {"one": 1, "a thousand": 1000, "past the slots": rows_past_the_row_min_slots(256, dtype, n)}[rows]
     program = "group_norm(%0,$0,$1,16,1e-05);min_dim(%1,1,True)"
     x, weight, bias = linear_inputs(m, 16, n, dtype)
     nan_row = m // 2
@@ -396,14 +399,14 @@ def chain_program(names, variant):
 @pytest.mark.parametrize("precision", ["fp32", "bf16"], indirect=True)
 def test_every_chain_runs_its_own_kernel(precision):
     """Each chain of FXFUSE_ROW_CHAINS, with every sample of its ops' attributes and operand forms, on whole rows
-    of two lengths: its compiled kernel runs, and its result is the reference's."""
+    of three lengths: its compiled kernel runs, and its result is the reference's."""
     dtype = DTYPES[precision]
     for chain in kernels.row_chains():
         variants = max([len(EPILOGUE_OPS[name].samples) for name in chain] + [4])
         for variant in range(variants):
             program, kinds = chain_program(chain, variant)
-            for n in (1024, 8192):
-                rows_across_warps = n > 32 * fast_row_values(dtype)
+            for n in (512, 1024, 8192):  # 16-bit: 16 values a thread, then 32
+                rows_across_warps = n > 32 * fast_row_values(dtype, n)
                 by_atomics = chain[-1] in ("amin", "min_dim") and rows_across_warps
                 expected = "chain, min by atomics" if by_atomics else "chain"
                 x, weight, bias = linear_inputs(37, 65, n, dtype)
