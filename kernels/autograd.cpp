@@ -4,10 +4,14 @@
 //   gemm_epilogue_train -> (out, gemm_out): the epilogue's gradients at the kept GEMM output
 //     (fxfuse::epilogue_backward), then the linear's: grad_x = grad_y weight, grad_weight = grad_y^T x,
 //     grad_bias = the sum of grad_y's rows, each in grad_y's dtype and then the input's.
-//   gemm_epilogue -> out: fxfuse::gemm_epilogue_backward, which recomputes the forward, GEMM included.
-//   Reference: fxfuse/library.py::_train_backward and _backward, the same formulas, which run wherever these
-//   kernels are not loaded. Under backward(create_graph=True) the gradients come from the reference's own ops
-//   instead (fxfuse::epilogue_vjp, gemm_epilogue_vjp: composite ops, so differentiable in turn), as there.
+//   gemm_epilogue -> out: the GEMM output recomputed (at::linear), then the same as gemm_epilogue_train's.
+//   Reference: fxfuse/library.py::_train_backward and _backward, which run wherever these kernels are not loaded.
+//   Under backward(create_graph=True) the gradients come from the reference's own ops instead
+//   (fxfuse::epilogue_vjp, gemm_epilogue_vjp: composite ops, so differentiable in turn), as there.
+//   gemm_epilogue's epilogue gradients come from epilogue_backward's kernel, as the training op's, rather than from
+//   the reference's ops recomputed in the storage dtype: those round each op's result to bf16, where the kernels
+//   compute in fp32 as eager's do under CUDA's autocast (layer_norm then amin: a row min's gradient went to the ties
+//   of the rounded values, 8-14% off against eager's 0.2%).
 //
 // Why C++: with the Python registration (torch.library.register_autograd) a call that records gradients cost
 // 156-258 µs of host time, against 73-112 µs with these (bf16, 64 x 256 -> 512; dev/host_breakdown.py against
@@ -73,14 +77,13 @@ Tensors epilogue_gradients(const at::Tensor& grad_output, const at::Tensor& gemm
   return (at::GradMode::is_enabled() ? differentiable : fused).call(grad_output, gemm_out, params, program, needs);
 }
 
-// The same for the whole op (order: x, weight, bias, *params), the forward recomputed.
-Tensors gemm_epilogue_gradients(const at::Tensor& grad_output, const at::Tensor& x, const at::Tensor& weight,
-                                const std::optional<at::Tensor>& bias, at::TensorList params,
-                                const std::string& program, const c10::List<bool>& needs) {
-  static const auto fused = fxfuse_op<GemmEpilogueGradientsFn>("fxfuse::gemm_epilogue_backward");
+// The reference's differentiable gradients of the whole op (order: x, weight, bias, *params), the forward
+// recomputed: gemm_epilogue's under create_graph=True.
+Tensors gemm_epilogue_vjp(const at::Tensor& grad_output, const at::Tensor& x, const at::Tensor& weight,
+                          const std::optional<at::Tensor>& bias, at::TensorList params, const std::string& program,
+                          const c10::List<bool>& needs) {
   static const auto differentiable = fxfuse_op<GemmEpilogueGradientsFn>("fxfuse::gemm_epilogue_vjp");
-  return (at::GradMode::is_enabled() ? differentiable : fused)
-      .call(grad_output, x, weight, bias, params, program, needs);
+  return differentiable.call(grad_output, x, weight, bias, params, program, needs);
 }
 
 // ================================================================ inputs and their gradients
@@ -138,6 +141,38 @@ Tensors linear_gradients(const at::Tensor& grad_y, const at::Tensor& x, const at
   return grads;
 }
 
+// The gradients flagged in `needs` (x, weight, bias, *params) from out's (grad_output) through the epilogue at
+// gemm_out, plus gemm_out's own where defined; `dtypes`: x's, weight's and bias's.
+Tensors gradients_at_gemm_out(const at::Tensor& grad_output, const at::Tensor& grad_gemm_out, const at::Tensor& x,
+                              const at::Tensor& weight, const at::Tensor& gemm_out, const Tensors& params,
+                              const std::string& program, const c10::List<bool>& needs,
+                              const std::vector<int64_t>& dtypes) {
+  const bool linear_needs = any_of(needs, 0, 3);
+  c10::List<bool> epilogue_needs{linear_needs};
+  for (size_t i = 3; i < needs.size(); ++i) epilogue_needs.push_back(needs.get(i));
+  Tensors epilogue_grads;
+  if (grad_output.defined() && any_of(epilogue_needs, 0, epilogue_needs.size()))
+    epilogue_grads = epilogue_gradients(grad_output, gemm_out, params, program, epilogue_needs);
+  size_t next = 0;
+  at::Tensor grad_y = linear_needs && !epilogue_grads.empty() ? epilogue_grads[next++] : at::Tensor();
+  if (linear_needs && grad_gemm_out.defined()) grad_y = grad_y.defined() ? grad_y.add(grad_gemm_out) : grad_gemm_out;
+
+  Tensors grads;
+  if (grad_y.defined()) grads = linear_gradients(grad_y, x, weight, needs, dtypes);
+  else if (linear_needs) grads.resize(static_cast<size_t>(needs.get(0)) + needs.get(1) + needs.get(2));
+  for (size_t i = 3; i < needs.size(); ++i)
+    if (needs.get(i)) grads.push_back(next < epilogue_grads.size() ? epilogue_grads[next++] : at::Tensor());
+  return grads;
+}
+
+// x's, weight's and bias's dtypes (x's for a missing bias), as the backward's linear gradients return them.
+std::vector<int64_t> linear_dtypes(const at::Tensor& x, const at::Tensor& weight,
+                                   const std::optional<at::Tensor>& bias) {
+  const bool has_bias = bias.has_value() && bias->defined();
+  return {static_cast<int64_t>(x.scalar_type()), static_cast<int64_t>(weight.scalar_type()),
+          static_cast<int64_t>(has_bias ? bias->scalar_type() : x.scalar_type())};
+}
+
 // ================================================================ gemm_epilogue_train
 
 struct GemmEpilogueTrain : torch::autograd::Function<GemmEpilogueTrain> {
@@ -150,9 +185,7 @@ struct GemmEpilogueTrain : torch::autograd::Function<GemmEpilogueTrain> {
     ctx->set_materialize_grads(false);  // gemm_out's gradient is mostly undefined: no zeros tensor for it
     ctx->saved_data["program"] = std::string(program);
     ctx->saved_data["has_bias"] = bias.has_value() && bias->defined();
-    ctx->saved_data["dtypes"] = std::vector<int64_t>{
-        static_cast<int64_t>(x.scalar_type()), static_cast<int64_t>(weight.scalar_type()),
-        static_cast<int64_t>(bias.has_value() && bias->defined() ? bias->scalar_type() : x.scalar_type())};
+    ctx->saved_data["dtypes"] = linear_dtypes(x, weight, bias);
     // x is read only for weight's gradient, weight only for x's.
     variable_list saved{weight.requires_grad() ? x : at::Tensor(), x.requires_grad() ? weight : at::Tensor(),
                         gemm_out};
@@ -166,24 +199,9 @@ struct GemmEpilogueTrain : torch::autograd::Function<GemmEpilogueTrain> {
     const at::Tensor &x = saved[0], &weight = saved[1], &gemm_out = saved[2];
     const Tensors params(saved.begin() + 3, saved.end());
     const c10::List<bool> needs = needs_of(ctx, ctx->saved_data["has_bias"].toBool(), params.size());
-    const at::Tensor &grad_output = grad_outputs[0], &grad_gemm_out = grad_outputs[1];
-    const bool linear_needs = any_of(needs, 0, 3);
-
-    c10::List<bool> epilogue_needs{linear_needs};
-    for (size_t i = 3; i < needs.size(); ++i) epilogue_needs.push_back(needs.get(i));
-    Tensors epilogue_grads;
-    if (grad_output.defined() && any_of(epilogue_needs, 0, epilogue_needs.size()))
-      epilogue_grads = epilogue_gradients(grad_output, gemm_out, params, ctx->saved_data["program"].toStringRef(),
-                                          epilogue_needs);
-    size_t next = 0;
-    at::Tensor grad_y = linear_needs && !epilogue_grads.empty() ? epilogue_grads[next++] : at::Tensor();
-    if (linear_needs && grad_gemm_out.defined()) grad_y = grad_y.defined() ? grad_y.add(grad_gemm_out) : grad_gemm_out;
-
-    Tensors grads;
-    if (grad_y.defined()) grads = linear_gradients(grad_y, x, weight, needs, ctx->saved_data["dtypes"].toIntVector());
-    else if (linear_needs) grads.resize(static_cast<size_t>(needs.get(0)) + needs.get(1) + needs.get(2));
-    for (size_t i = 3; i < needs.size(); ++i)
-      if (needs.get(i)) grads.push_back(next < epilogue_grads.size() ? epilogue_grads[next++] : at::Tensor());
+    const Tensors grads = gradients_at_gemm_out(grad_outputs[0], grad_outputs[1], x, weight, gemm_out, params,
+                                                ctx->saved_data["program"].toStringRef(), needs,
+                                                ctx->saved_data["dtypes"].toIntVector());
     return by_argument(needs, grads);
   }
 };
@@ -217,9 +235,13 @@ struct GemmEpilogue : torch::autograd::Function<GemmEpilogue> {
     const Tensors params(saved.begin() + 3, saved.end());
     const c10::List<bool> needs = needs_of(ctx, bias.has_value(), params.size());
     if (!any_of(needs, 0, needs.size())) return by_argument(needs, {});
-    const Tensors grads = gemm_epilogue_gradients(grad_outputs[0], saved[0], saved[1], bias, params,
-                                                  ctx->saved_data["program"].toStringRef(), needs);
-    return by_argument(needs, grads);
+    const std::string& program = ctx->saved_data["program"].toStringRef();
+    const at::Tensor &x = saved[0], &weight = saved[1];
+    if (at::GradMode::is_enabled())
+      return by_argument(needs, gemm_epilogue_vjp(grad_outputs[0], x, weight, bias, params, program, needs));
+    const at::Tensor gemm_out = at::linear(x, weight, bias);
+    return by_argument(needs, gradients_at_gemm_out(grad_outputs[0], at::Tensor(), x, weight, gemm_out, params,
+                                                    program, needs, linear_dtypes(x, weight, bias)));
   }
 };
 
