@@ -370,6 +370,23 @@ def _fake_buffers(gm: fx.GraphModule, mode):
                 object.__setattr__(module, name, value)
 
 
+@contextlib.contextmanager
+def _autocast_cache_off():
+    """Autocast's cache of weight casts off for a run of optimize()'s: under the caller's autocast it keeps each cast
+    until the outermost block ends, and the caller's model would then read the run's (a fake bf16 weight from the
+    shapes run; from a real run under no_grad, one without autograd history on a torch that caches those,
+    pytorch#112583). The casts still run: the dtypes found are autocast's."""
+    if not hasattr(torch, "set_autocast_cache_enabled"):
+        yield
+        return
+    enabled = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(enabled)
+
+
 def _propagate_shapes(gm: fx.GraphModule, model: nn.Module, example_inputs: Sequence[Any]) -> None:
     """Record each node's shape and dtype (node.meta['val']) by running the graph on fake tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -383,7 +400,7 @@ def _propagate_shapes(gm: fx.GraphModule, model: nn.Module, example_inputs: Sequ
     known_outputs = _hooked_outputs(gm, model, example_inputs)
     try:
         mode = FakeTensorMode(allow_non_fake_inputs=True)
-        with _fake_buffers(gm, mode), _call_hooks_set_aside(hooked):
+        with _fake_buffers(gm, mode), _call_hooks_set_aside(hooked), _autocast_cache_off():
             _FakeTensorPropWithKnownOutputs(gm, mode, known_outputs).propagate(*example_inputs)
     except Exception as error:  # shapes are a help, not a need: the matcher proves less without them
         logger.info("fxfuse: no shapes (%s: %s); matching without them", type(error).__name__, error)
@@ -537,13 +554,15 @@ def _run_leaving_it_as_it_was(model: nn.Module, example_inputs, purpose: str) ->
     """Run `model` once on `example_inputs`, for what the hooks registered on it beforehand record. False (logged)
     if it raised, or would have written into a parameter or an example input (it stops there)."""
     # The run must change neither the model nor the random streams of the devices it touches (a dropout would
-    # move the caller's stream on); buffers and attributes are put back, parameters and inputs never written.
+    # move the caller's stream on) nor autocast's cache; buffers and attributes are put back, parameters and inputs
+    # never written.
     inputs = [t for t in pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor)]
     guard = _RefusingWritesInto([*model.parameters(), *inputs])
     tensors = [*model.parameters(), *model.buffers(), *inputs]
     cuda_devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
     try:
-        with _model_kept_as_it_was(model), torch.no_grad(), torch.random.fork_rng(devices=cuda_devices):
+        with _model_kept_as_it_was(model), torch.no_grad(), torch.random.fork_rng(devices=cuda_devices), \
+                _autocast_cache_off():
             with guard:
                 model(*example_inputs)
     except Exception as error:

@@ -101,6 +101,25 @@ def test_an_fp32_residual_keeps_eagers_precision():
     assert torch.equal(actual, expected)
 
 
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_optimize_inside_an_autocast_block_leaves_the_eager_model_as_it_was(mode):
+    """autocast caches its bf16 cast of each weight until the outermost block ends: the fake shapes run of
+    optimize() cast the real weights under the caller's autocast, and the eager model then read a fake bf16
+    weight from that cache for the rest of the block (a FakeTensor result, or an error)."""
+    model, x = _model("gelu", "cpu", mode)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # a block of its own: optimize() comes first in it
+        optimized = fxfuse.optimize(model, (x,))
+        after, actual = model(x), optimized(x)
+    assert type(after) is torch.Tensor and type(actual) is torch.Tensor, (type(after), type(actual))
+    assert torch.equal(after, expected)
+    assert_close_report(actual.float(), expected.float(), rtol=1e-2, atol=1e-2)
+    if mode == "train":  # and the casts it reads carry autograd's history: the weights get their gradients
+        after.float().sum().backward()
+        assert model.fc.weight.grad is not None and model.fc.weight.grad.abs().sum() > 0
+
+
 @pytest.mark.parametrize("inner", ["eager", "aot_eager"])
 @pytest.mark.parametrize("name", sorted(TAILS))
 def test_compiled_model_under_autocast(name, inner):
