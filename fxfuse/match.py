@@ -79,13 +79,18 @@ _AUTOCAST_SETTERS = ("set_autocast_enabled", "set_autocast_dtype", "set_autocast
                      "autocast_increment_nesting", "autocast_decrement_nesting", "clear_autocast_cache",
                      *(f"set_autocast_{device}_{setting}" for device in ("cpu", "gpu", "ipu", "xla")
                        for setting in ("enabled", "dtype")))
-MODE_SETTERS = tuple((owner, name, mode) for owners, names, mode in (
+_SETTER_GROUPS = (  # (where they live, their names, the mode they switch)
     ((torch._C,), ("_set_grad_enabled", "_set_fwd_grad_enabled"), "grad mode"),
     ((torch._C,), ("_InferenceMode",), "inference mode"),
     ((torch.autograd.grad_mode,), ("_enter_inference_mode", "_exit_inference_mode"), "inference mode"),
     ((torch.amp.autocast_mode,), ("_enter_autocast", "_exit_autocast"), "autocast"),
     ((torch, torch._C), (*_AUTOCAST_SETTERS, *("_" + name for name in _AUTOCAST_SETTERS)), "autocast"),
-) for owner in owners for name in names if hasattr(owner, name))
+)
+MODE_SETTERS = tuple((owner, name, mode)
+                     for owners, names, mode in _SETTER_GROUPS
+                     for owner in owners
+                     for name in names
+                     if hasattr(owner, name))
 _MODE_SWITCHES = [(getattr(owner, name), mode) for owner, name, mode in MODE_SETTERS]
 
 
