@@ -492,8 +492,7 @@ def _hooked_outputs(gm: fx.GraphModule, model: nn.Module, example_inputs) -> dic
 
 class _RefusingWritesInto(TorchDispatchMode):
     """Raises before any op that would write into the memory of the given tensors (the model's parameters, the
-    example inputs: what the run that learns hooked outputs must leave as they were, where the buffers are put
-    back)."""
+    example inputs: what optimize()'s runs of the model must leave as they were; its buffers are put back)."""
 
     def __init__(self, tensors: Sequence[torch.Tensor]):
         super().__init__()
