@@ -166,9 +166,17 @@ def number_as_tensor(value):
     """Called by rewritten graphs for a forward argument that the matcher took for a tensor without example inputs:
     a number passed there (Python's or NumPy's) becomes a 0-d CPU tensor, which torch's ops read at full precision
     as they read a number, and which does not promote the result's dtype; the fused op's tensor params take it
-    (on a GPU, its reference runs). NumPy's bool_ is no numbers.Number: its scalars are told by their module."""
+    (on a GPU, its reference runs). NumPy's bool_ is no numbers.Number: its scalars are told by their module. A
+    float becomes a float64 tensor (a complex one complex128), as precise as Python's number: a float32 one made
+    1e40 inf in a float64 model."""
     is_numpy_scalar = type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0
-    return torch.tensor(value) if isinstance(value, numbers.Number) or is_numpy_scalar else value
+    if not (isinstance(value, numbers.Number) or is_numpy_scalar):
+        return value
+    if isinstance(value, float):  # (NumPy's float64 is a float too; its float32 keeps its own dtype)
+        return torch.tensor(value, dtype=torch.float64)
+    if isinstance(value, complex):
+        return torch.tensor(value, dtype=torch.complex128)
+    return torch.tensor(value)
 
 
 def _maybe_number(node) -> bool:

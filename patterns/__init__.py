@@ -21,8 +21,8 @@ def mish_from_softplus(x):
 
 
 # In fp16, x * relu6(x + 3) overflows past 65504 where hardswish does not, and x.pow(2) past 256: these two are
-# the op in fp32 and bf16 only (fp32's range).
-@idiom("hardswish", dtypes=(torch.float32, torch.bfloat16))
+# the op in the dtypes of fp32's range or more only.
+@idiom("hardswish", dtypes=(torch.float32, torch.bfloat16, torch.float64))
 def hardswish_from_relu6(x):
     return x * F.relu6(x + 3.0) / 6.0
 
@@ -52,6 +52,6 @@ def leaky_relu_from_where(x, *, negative_slope):
     return torch.where(x > 0, x, negative_slope * x)
 
 
-@idiom("rms_norm", dtypes=(torch.float32, torch.bfloat16), weight=None)
+@idiom("rms_norm", dtypes=(torch.float32, torch.bfloat16, torch.float64), weight=None)
 def rms_norm_by_rsqrt(x, *, eps):  # RMSNorm's formula as LLaMA and T5 write it (without their dtype casts)
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)

@@ -219,6 +219,20 @@ def test_an_idiom_that_overflows_in_fp16_is_not_its_op_there(spelled, scale):
     assert_close_report(actual, expected, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("spelled", [lambda h: h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6),
+                                     lambda h: h * F.relu6(h + 3.0) / 6.0], ids=["rms_norm", "hardswish"])
+def test_an_idiom_of_fp32s_range_runs_in_float64(spelled):
+    """rms_norm's and hardswish's idioms, declared for fp32 and bf16, raised in a model optimized in fp32 and then
+    cast to float64, where eager's formula is as exact as the op."""
+    model = GemmThen(on_gemm(spelled)).eval()
+    optimized = fxfuse.optimize(model, (torch.randn(BATCH, IN),))
+    assert fused_programs(optimized)
+    optimized.double()
+    x = torch.randn(BATCH, IN, dtype=torch.float64)
+    with torch.no_grad():
+        assert_close_report(optimized(x), model(x))
+
+
 def test_an_idiom_captures_numpy_numbers_as_pythons(scratch_idioms):
     """A NumPy float captured raw made the program text `np.float64(-0.5)`, which the op could not parse."""
     import numpy as np
@@ -249,7 +263,7 @@ def idiom_cases():
     return cases
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64], ids=str)
 @pytest.mark.parametrize("built_in, captured", idiom_cases())
 def test_a_built_in_idiom_is_its_op_within_rounding_in_every_dtype_it_claims(built_in, captured, dtype):
     """Eager's spelled-out formula, in the dtype, against the op's reference in that dtype (which computes in fp32

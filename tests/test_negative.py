@@ -844,6 +844,18 @@ def test_any_number_for_an_unannotated_argument_computes_as_eager(number, dtype)
         assert_close_report(optimized(x, number), model(x, number), atol=0.0)  # h / 1e5 is small, not 0
 
 
+@pytest.mark.parametrize("number", [1e40, 1e-50, 0.1])
+def test_a_float_argument_keeps_its_precision_in_a_float64_model(number):
+    """number_as_tensor made a float32 tensor of it: 1e40 became inf and 1e-50 zero once the model ran in float64
+    (optimized without example inputs, then .double())."""
+    model = GemmThen(lambda m, x, y: torch.tanh(m.fc(x)) * y).eval()
+    optimized = fxfuse.optimize(model)
+    model.double()
+    x = rows(dtype=torch.float64)
+    with torch.no_grad():
+        assert_close_report(optimized(x, number), model(x, number), rtol=1e-12, atol=0.0)
+
+
 def test_module_settings_that_compute_nothing_may_change():
     model = nn.Sequential(nn.Linear(IN, OUT), nn.LeakyReLU(float("nan")), nn.ReLU()).eval()
     optimized = fxfuse.optimize(model)
@@ -1611,7 +1623,7 @@ def test_an_fp32_only_idiom_raises_where_the_epilogue_computes_in_fp16():
     with torch.no_grad():
         assert_close_report(optimized(x), model(x))
         with torch.autocast("cpu", dtype=torch.float16), \
-                pytest.raises(RuntimeError, match="optimized for float32 or bfloat16 values"):
+                pytest.raises(RuntimeError, match="optimized for float32 or bfloat16 or float64 values"):
             optimized(x)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             optimized(x)
