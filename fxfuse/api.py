@@ -66,6 +66,17 @@ class FusedGraphModule(fx.GraphModule):
                                        "torch.compile(model, backend='fxfuse'), which recompiles on a mode change)")
         return super().__call__(*args, **kwargs)
 
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            # A child fused inside a parent that could not be traced (`_stands_for`, set by _optimize): the parent's
+            # own code may read the child's plain attributes or call its methods, which are the child's.
+            child = self.__dict__.get("_stands_for")
+            if child is None:
+                raise
+            return getattr(child, name)
+
     def _inlined_hook_dicts(self) -> tuple:
         """The call-hook dicts of the inlined modules, flat: one `any` over them took 3.6 µs for 200 modules on a
         2-core CPU machine, a loop of hook checks per module 32 µs, at every call. Found again whenever `inlined` is
@@ -81,6 +92,8 @@ class FusedGraphModule(fx.GraphModule):
         _adopt_state(copied, _state_of(copy.deepcopy(self.__dict__, memo)))
         copied.traced_training = self.traced_training
         copied.inlined = copy.deepcopy(self.inlined, memo)
+        if "_stands_for" in self.__dict__:
+            copied.__dict__["_stands_for"] = copy.deepcopy(self.__dict__["_stands_for"], memo)
         return copied
 
     def __reduce__(self):
@@ -635,6 +648,8 @@ def _optimize(model: nn.Module, example_inputs, path: str, report: Report) -> nn
             fused_before = len(report.fused)
             optimized = _optimize(child, inputs.get(name), f"{path}.{name}" if path else name, report)
             if len(report.fused) > fused_before:  # else the child stays itself: its type, its modes
+                if isinstance(optimized, FusedGraphModule):  # the parent's code may read the child's attributes
+                    optimized.__dict__["_stands_for"] = child
                 result._modules[name] = optimized
         return result
     if example_inputs is not None:

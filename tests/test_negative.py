@@ -1199,6 +1199,42 @@ def test_an_operand_changed_in_place_after_the_region_does_not_break_the_backwar
 
 # ---------------------------------------------------------------- what a trace would freeze (review)
 
+class Expert(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(IN, OUT)
+        self.capacity = 4
+
+    def forward(self, x):
+        return F.gelu(self.fc(x))
+
+    def route_score(self, x):
+        return self.fc(x).mean(-1)
+
+
+class Router(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.expert = Expert()
+
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent: the parent is not traced, its child is optimized alone
+            x = x * 2
+        k = self.expert.capacity
+        return self.expert(x)[:k] + self.expert.route_score(x)[:k, None]
+
+
+def test_a_fused_child_of_an_untraced_parent_keeps_its_attributes_and_methods():
+    """The parent's own code read the child's plain attribute and called its method on the GraphModule that
+    replaced the child: AttributeError, where eager runs."""
+    model, x = Router().eval(), rows()
+    optimized = fxfuse.optimize(model, (x,))
+    assert fused_op_count(optimized.expert) == 1
+    with torch.no_grad():
+        assert_close_report(optimized(x), model(x))
+        assert_close_report(copy.deepcopy(optimized)(x), model(x))
+
+
 class ScalesItsBufferInForward(nn.Module):
     def __init__(self):
         super().__init__()
