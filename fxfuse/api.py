@@ -235,17 +235,10 @@ def _trace(model: nn.Module, given_inputs: int | None, given_nones: Sequence[str
         gm.traced_training = getattr(model, "traced_training", None)
         gm.inlined = getattr(model, "inlined", ())
     else:
-        tracer = _Tracer()
         concrete = {**_none_defaults(model, given_inputs), **{name: None for name in given_nones}}
-        with _model_kept_as_it_was(model) as changed, _watching_mode_switches() as switched:
-            graph = tracer.trace(model, concrete_args=concrete or None)
-        if changed:  # an fx trace runs what a forward does to its model once, at trace time, and records none of it
-            raise RuntimeError(f"its forward {' and '.join(changed[:3])}, which an fx trace would run once, at "
-                               "trace time (torch.compile(model, backend='fxfuse') keeps it)")
-        _keep_argument_names(graph, concrete)
-        if switched:
-            raise RuntimeError(f"its forward switches {' and '.join(sorted(set(switched)))}, which an fx trace "
-                               "would drop (torch.compile(model, backend='fxfuse') keeps it)")
+        tracer, graph = _traced(model, concrete)
+        if given_inputs is None:
+            _check_optional_arguments(model, graph)
         gm = FusedGraphModule(tracer.root, graph, class_name=type(model).__name__)
         gm.inlined = tuple(tracer.inlined.items())
     if gm.traced_training is None:
@@ -254,6 +247,44 @@ def _trace(model: nn.Module, given_inputs: int | None, given_nones: Sequence[str
             gm.traced_training = ({path: m.training for path, m in model.named_modules()}, dependent.name)
     _adopt_state(gm, model)
     return gm
+
+
+def _traced(model: nn.Module, concrete: dict) -> tuple[_Tracer, fx.Graph]:
+    """fx's trace of `model` with the `concrete` arguments fixed, or a RuntimeError saying what it can't keep."""
+    tracer = _Tracer()
+    with _model_kept_as_it_was(model) as changed, _watching_mode_switches() as switched:
+        graph = tracer.trace(model, concrete_args=concrete or None)
+    if changed:  # an fx trace runs what a forward does to its model once, at trace time, and records none of it
+        raise RuntimeError(f"its forward {' and '.join(changed[:3])}, which an fx trace would run once, at "
+                           "trace time (torch.compile(model, backend='fxfuse') keeps it)")
+    _keep_argument_names(graph, concrete)
+    if switched:
+        raise RuntimeError(f"its forward switches {' and '.join(sorted(set(switched)))}, which an fx trace "
+                           "would drop (torch.compile(model, backend='fxfuse') keeps it)")
+    return tracer, graph
+
+
+def _check_optional_arguments(model: nn.Module, graph: fx.Graph) -> None:
+    """Without example inputs an argument that defaults to None is traced as a tensor: a forward that runs other
+    code for None (`if mask is not None:`) would then raise on its default call, where eager runs. Where the graph
+    reads such an argument, a trace with it None must run the same ops (`h + y` records an add either way)."""
+    read = [node.target for node in graph.nodes
+            if node.op == "placeholder" and node.target in _none_defaults(model, 0) and node.users]
+    if not read:
+        return
+    try:
+        _, with_none = _traced(model, {name: None for name in read})
+    except Exception:  # (no trace with None: a call with None raises in eager too)
+        return
+    if _ops_run(with_none) != _ops_run(graph):
+        raise RuntimeError(f"its forward runs other code for `{read[0]}` None (its default) and for a tensor, "
+                           "which a trace without example inputs can't tell apart (pass example inputs)")
+
+
+def _ops_run(graph: fx.Graph) -> list:
+    """The ops a graph runs, in order, without fx's checks that a concrete argument is still None."""
+    return [(node.op, node.target) for node in graph.nodes if node.op not in ("placeholder", "output")
+            and "assert_is_none" not in getattr(node.target, "__name__", "")]
 
 
 def _keep_argument_names(graph: fx.Graph, concrete: dict) -> None:

@@ -1199,6 +1199,32 @@ def test_an_operand_changed_in_place_after_the_region_does_not_break_the_backwar
 
 # ---------------------------------------------------------------- what a trace would freeze (review)
 
+class MaskedBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(IN, OUT)
+        self.act = nn.Sequential(nn.Linear(OUT, OUT), nn.ReLU())
+
+    def forward(self, x, mask=None):
+        h = self.act(torch.relu(self.fc(x)))
+        if mask is not None:
+            h = h.masked_fill(mask, 0.0)
+        return h
+
+
+def test_an_argument_that_defaults_to_none_and_picks_the_code_is_not_traced_without_example_inputs():
+    """Traced as a tensor, `mask` took the masked_fill branch: the default call raised where eager runs. The
+    model is left to its children, which run either way."""
+    model, x = MaskedBlock().eval(), rows()
+    optimized = fxfuse.optimize(model)
+    assert any("runs other code for `mask`" in row.reason for row in optimized.fxfuse_report.skipped)
+    assert fused_op_count(optimized) == 1  # act's linear and relu
+    with torch.no_grad():
+        assert_close_report(optimized(x), model(x))
+        mask = torch.rand(BATCH, OUT) > 0.5
+        assert_close_report(optimized(x, mask), model(x, mask))
+
+
 class Expert(nn.Module):
     def __init__(self):
         super().__init__()
