@@ -18,6 +18,7 @@ import fxfuse
 from fxfuse import kernels
 from fxfuse.modelfile import example_files, load_model_file
 from fxfuse.testing import assert_close_report, assert_gradients_match, fused_op_count, gradients
+from test_cuda_kernels import relative_error
 from test_opcheck import make_args
 from test_training import check_second_order_gradients
 
@@ -87,10 +88,6 @@ def test_bfloat16_gradients_as_close_to_float64_as_eager(name, how, device="cuda
             f"{what}: bf16 gradient off float64 by {fused_error:.2e} (eager bf16: {eager_error:.2e})"
 
 
-def _norm_relative_error(got, reference):
-    return (torch.linalg.vector_norm(got.double() - reference) / torch.linalg.vector_norm(reference)).item()
-
-
 @pytest.mark.parametrize("program", ["layer_norm(%0,$0,$1,1e-05);amin(%1,-1,True)",
                                      "group_norm(%0,$0,$1,16,1e-05);hardtanh(%1,-1.0,1.0)"])
 @pytest.mark.parametrize("kind", ["gemm_epilogue", "gemm_epilogue_train"])
@@ -118,8 +115,8 @@ def test_autocast_gradients_as_close_to_float64_as_eager(kind, program):
     reference = torch.autograd.grad(run_reference(*exact[:3], exact[3:], program), exact, grad_output.double())
     for what, fused_grad, eager_grad, exact_grad in zip(["x", "weight", "bias", "p0", "p1"], fused_grads,
                                                         eager_grads, reference):
-        fused_error = _norm_relative_error(fused_grad, exact_grad)
-        eager_error = _norm_relative_error(eager_grad, exact_grad)
+        fused_error = relative_error(fused_grad, exact_grad)
+        eager_error = relative_error(eager_grad, exact_grad)
         assert fused_error <= 2 * eager_error + 2e-3, \
             f"{what}: gradient off float64 by {fused_error:.2e} (eager under autocast: {eager_error:.2e})"
 
