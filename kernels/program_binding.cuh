@@ -92,6 +92,7 @@ struct Token {
   enum Kind { Value, Param, Number, None, Bool, String } kind = None;
   int index = 0;       // Value, Param
   double number = 0;   // Number, Bool
+  bool integer = false;  // Number written as an integer ('16', not '16.0'), as program.py's parse_token reads it
   std::string text;    // String
 };
 
@@ -146,6 +147,8 @@ bool parse_token(const std::string& text, Token& token) {
     token.number = text == "True" ? 1.0 : 0.0;
     return true;
   }
+  std::strtoll(text.c_str(), &end, 10);  // read only to see whether an integer spans the whole text
+  token.integer = *end == '\0';
   token.number = std::strtod(text.c_str(), &end);
   token.kind = Token::Number;
   return *end == '\0';
@@ -265,9 +268,12 @@ bool encode_attribute(const Token& t, float& out) {
 
 bool is_number(const Token& t) { return t.kind == Token::Number || t.kind == Token::Bool; }
 
+// An integer literal: what eager takes for a dim or a group count (a float or a bool there raises TypeError).
+bool is_integer(const Token& t) { return t.kind == Token::Number && t.integer; }
+
 // True where `dim` is an integer naming the last of `rank` dims (eager raises for one out of range).
 bool is_last_dim(const Token& dim, int64_t rank) {
-  if (!is_number(dim) || dim.number != std::floor(dim.number)) return false;
+  if (!is_integer(dim)) return false;
   const int64_t d = static_cast<int64_t>(dim.number);
   return d == -1 || d == rank - 1;
 }
@@ -409,6 +415,8 @@ std::string bind_phase(const Context& ctx, Binding& b, std::vector<Shape>& shape
       case Category::Unary:
         for (size_t a = 0; a < pi.attrs.size(); ++a) {
           float value;
+          // only clamp's bounds may be None (its reference takes None; the other ops' raise TypeError)
+          if (pi.attrs[a].kind == Token::None && pi.op->opcode != OP_clamp) return "a None attribute" + where;
           if (!encode_attribute(pi.attrs[a], value)) return "unsupported attribute" + where;
           set_attribute(ins.attrs, a, value);
         }
@@ -481,8 +489,8 @@ std::string bind_phase(const Context& ctx, Binding& b, std::vector<Shape>& shape
         if (kind == NormAttrs::GroupsEps) {
           if (ctx.x.dim() != 2) return "group_norm is row-local only for a 2-D x" + where;
           const Token& groups = pi.attrs[0];
-          if (!is_number(groups) || groups.number < 1 || groups.number != std::floor(groups.number) ||
-              ctx.features % static_cast<int64_t>(groups.number) != 0)
+          if (!is_integer(groups)) return "num_groups is not an integer" + where;
+          if (groups.number < 1 || ctx.features % static_cast<int64_t>(groups.number) != 0)
             return "num_groups does not divide the features" + where;
           ins.group_size = static_cast<int32_t>(ctx.features / static_cast<int64_t>(groups.number));
         }

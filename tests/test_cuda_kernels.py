@@ -671,6 +671,25 @@ def test_errors_are_eager_errors():
     assert str(eager.value).splitlines()[0] in str(fused.value)
 
 
+# Hand-written programs whose references raise TypeError (the pass never writes them): a None where the op takes a
+# number, a float or a bool where it takes an integer dim or group count.
+BAD_ATTRIBUTE_PROGRAMS = ["hardtanh(%0,None,2.0)", "leaky_relu(%0,None)", "softplus(%0,None,20.0)", "pow(%0,None)",
+                          "sum(%0,-1.0,True)", "amin(%0,True,True)", "softmax(%0,-1.0)", "logsumexp(%0,1.0,False)",
+                          "group_norm(%0,$0,$1,5.0,1e-05)"]
+
+
+@pytest.mark.parametrize("op", ["gemm_epilogue", "gemm_epilogue_train"])
+@pytest.mark.parametrize("program", BAD_ATTRIBUTE_PROGRAMS)
+def test_attributes_the_reference_refuses_raise_its_error(program, op):
+    x, weight, bias = linear_inputs(8, 16, 30, torch.float32)
+    params = [torch.randn(30, device="cuda"), torch.randn(30, device="cuda")] if "$" in program else []
+    with pytest.raises(Exception) as eager:
+        run_reference(x, weight, bias, params, program)
+    with pytest.raises(type(eager.value)) as fused:
+        getattr(torch.ops.fxfuse, op)(x, weight, bias, params, program)
+    assert str(eager.value).splitlines()[0] in str(fused.value)
+
+
 def test_a_later_process_loads_the_cached_build_quickly():
     script = ("import time, fxfuse.kernels as k; start = time.perf_counter(); assert k.load(); "
               "print(time.perf_counter() - start)")
