@@ -12,8 +12,9 @@
 // recomputes i's input from the row with the kept statistics (pointwise work only: programs are a few
 // instructions long) and turns the gradient of i's output into that of its input, with the group sums that a
 // norm's backward needs. grad_y is written once. Param gradients: those summed over rows (per feature, or one
-// value) accumulate over the block's rows in shared memory and are written once per block, as partial rows that
-// the host sums; per-row ones are summed over the row; full ones are written per element.
+// value) accumulate over the block's rows in shared memory and are written once per block, as partial rows that a
+// second kernel sums (finish_summed_grads_kernel) or the host does; per-row ones are summed over the row; full ones
+// are written per element.
 //
 // Limits (the host runs the reference otherwise, epilogue_backward.cpp): every value is read once, by the next
 // instruction (no slots); rows of whole 16-byte vectors, at most 8192 features; groups on the lanes' grid; at
@@ -482,6 +483,44 @@ __global__ void __launch_bounds__(kMaxBackwardThreads, 1)
   }
 }
 
+// ================================================================ the summed gradients' last step
+
+// Blocks of kFinishColumns (accumulator, feature) columns, contiguous across a warp's lanes, by kFinishSlices
+// slices of the partial rows: each thread sums every kFinishSlices-th partial row of its column in fp32 (four
+// running sums, so that its loads overlap), then the first slice adds the slices' sums in shared memory and
+// stores the column's gradient in the params' type. With the slices a thread loads every eighth partial row (the
+// examples' 264 partial rows: 33 loads) and the grid of their 2 x 8192 columns has 131 K threads, not 16 K.
+constexpr int kFinishColumns = 32;
+constexpr int kFinishSlices = 8;
+
+template <class S>
+__global__ void __launch_bounds__(kFinishColumns * kFinishSlices)
+    finish_summed_grads_kernel(const __grid_constant__ SummedGrads grads) {
+  __shared__ float slice_sums[kFinishSlices][kFinishColumns + 1];
+  const int lane = threadIdx.x % kFinishColumns, slice = threadIdx.x / kFinishColumns;
+  const int64_t column = int64_t{blockIdx.x} * kFinishColumns + lane;
+  const int64_t columns = int64_t{grads.accumulators} * grads.features;
+  float sums[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  if (column < columns) {
+    const int64_t accumulator = column / grads.features, feature = column % grads.features;
+    const float* partial = grads.partials + accumulator * grads.partial_rows * grads.features + feature;
+    const int64_t step = int64_t{kFinishSlices} * grads.features;
+    int64_t p = slice;
+    for (; p + 3 * kFinishSlices < grads.partial_rows; p += 4 * kFinishSlices)
+#pragma unroll
+      for (int k = 0; k < 4; ++k) sums[k] += partial[p * grads.features + k * step];
+    for (; p < grads.partial_rows; p += kFinishSlices) sums[0] += partial[p * grads.features];
+  }
+  slice_sums[slice][lane] = (sums[0] + sums[1]) + (sums[2] + sums[3]);
+  __syncthreads();
+  if (slice != 0 || column >= columns) return;
+  float total = slice_sums[0][lane];
+#pragma unroll
+  for (int k = 1; k < kFinishSlices; ++k) total += slice_sums[k][lane];
+  const int64_t accumulator = column / grads.features, feature = column % grads.features;
+  static_cast<typename S::Raw*>(grads.out[accumulator])[feature] = S::from_float(total);
+}
+
 // ================================================================ launchers (declared in program_format.cuh)
 
 template <class S>
@@ -501,6 +540,14 @@ template <class S>
 void launch_row_backward(const BackwardProgram& prog, int64_t blocks, int threads, cudaStream_t stream) {
   const int64_t shared_bytes = backward_shared_bytes<S>(prog, threads);
   row_backward_kernel<S><<<static_cast<unsigned>(blocks), threads, shared_bytes, stream>>>(prog);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <class S>
+void launch_finish_summed_grads(const SummedGrads& grads, cudaStream_t stream) {
+  const int64_t columns = int64_t{grads.accumulators} * grads.features;
+  const auto blocks = static_cast<unsigned>((columns + kFinishColumns - 1) / kFinishColumns);
+  finish_summed_grads_kernel<S><<<blocks, kFinishColumns * kFinishSlices, 0, stream>>>(grads);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

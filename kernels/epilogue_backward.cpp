@@ -7,7 +7,8 @@
 // Strategy: the program is bound to gemm_out's shape as the forward binds it (program_binding.cuh), then ONE
 // launch of the backward row kernel (backward_interpreter.cuh) reads gemm_out and grad_output once and writes
 // gemm_out's gradient once. The gradients of params that every row shares come out as per-block partial sums in
-// fp32, which one ATen sum per param finishes (in the param's dtype). A broadcast tail of adds and subtracts (the
+// fp32, which one more launch sums and stores in the params' dtype (finish_summed_grads_kernel; ATen's sum and
+// cast per param where a param has several uses or a single value). A broadcast tail of adds and subtracts (the
 // min + bias example's (1, N, M, 1) result) passes the gradient through unchanged but for its sign: ATen sums
 // grad_output down to the row phase's result and to each of the tail's params first.
 //
@@ -16,7 +17,7 @@
 // dtype (fp32, bf16, fp16) on one CUDA device; a param that is not shared by all rows must be read whole (one
 // value per row, or per element), not broadcast over some leading dims.
 //
-// Host code only, compiled by the C++ compiler (gemm_epilogue.cpp says why); the kernel is in row_backward_*.cu.
+// Host code only, compiled by the C++ compiler (gemm_epilogue.cpp says why); the kernels are in row_backward_*.cu.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -99,8 +100,9 @@ struct GradBuffer {
   std::string reason;
 };
 
+// `partials`: every GRAD_SUMMED param's partial rows, [accumulator, partial row, feature] in fp32.
 GradBuffer make_grad_buffer(const RowParam& view, const at::Tensor& param, int64_t rows, int64_t features,
-                            int64_t partial_rows, int accumulator) {
+                            const at::Tensor& partials, int accumulator) {
   GradBuffer b;
   const auto fp32 = param.options().dtype(at::kFloat);
   if (view.row_stride == 0) {  // the same for every row: per feature, or one value
@@ -108,7 +110,7 @@ GradBuffer make_grad_buffer(const RowParam& view, const at::Tensor& param, int64
     if (param.numel() != expected) return b.reason = "a param broadcast within a feature", b;
     if (accumulator >= kMaxGradAccumulators)
       return b.reason = "more than " + std::to_string(kMaxGradAccumulators) + " params summed over rows", b;
-    b.buffer = at::empty({partial_rows, features}, fp32);
+    b.buffer = partials.select(0, accumulator);
     b.grad = ParamGrad{GRAD_SUMMED, static_cast<int8_t>(accumulator), b.buffer.data_ptr<float>()};
   } else if (view.feature_stride == 0) {
     if (param.numel() != rows) return b.reason = "a per-row param broadcast over some leading dims", b;
@@ -124,9 +126,35 @@ GradBuffer make_grad_buffer(const RowParam& view, const at::Tensor& param, int64
 
 // A row param's fp32 gradient buffer as the param's flat fp32 gradient: GRAD_SUMMED partial rows summed (in
 // fp32: at::sum with a 16-bit dtype would round the partials to it first).
-at::Tensor finish(const GradBuffer& b, const at::Tensor& param) {
+at::Tensor fp32_gradient(const GradBuffer& b, const at::Tensor& param) {
   if (b.grad.kind != GRAD_SUMMED) return b.buffer.view({-1});
   return param.numel() == 1 ? b.buffer.sum().view({1}) : b.buffer.sum(0);
+}
+
+// Whether every summed gradient is a whole param's (its only use that needs a gradient, one value per feature,
+// none from the tail): then one launch sums the partial rows of all of them and stores them in the params' dtype,
+// where the host would run a sum and a cast per param (the examples' two norm params: four ATen ops, 94 of the
+// backward's 200 µs of host time on one H100's host, dev/step_host_probe.py).
+bool finishes_on_device(const Binding& binding, const std::vector<GradBuffer>& buffers, at::TensorList params,
+                        const std::vector<std::pair<int, at::Tensor>>& tail_grads, int64_t features) {
+  for (size_t k = 0; k < buffers.size(); ++k) {
+    if (buffers[k].grad.kind != GRAD_SUMMED) continue;
+    const int source = binding.row_param_sources[k];
+    if (params[source].numel() != features) return false;
+    for (size_t other = 0; other < buffers.size(); ++other)
+      if (other != k && buffers[other].grad.kind != GRAD_NONE && binding.row_param_sources[other] == source)
+        return false;
+    for (const auto& [index, grad] : tail_grads)
+      if (index == source) return false;
+  }
+  return true;
+}
+
+void finish_summed_on_device(at::ScalarType dtype, const SummedGrads& grads) {
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  if (dtype == at::kFloat) launch_finish_summed_grads<Fp32Storage>(grads, stream);
+  else if (dtype == at::kBFloat16) launch_finish_summed_grads<Bf16Storage>(grads, stream);
+  else launch_finish_summed_grads<Fp16Storage>(grads, stream);
 }
 
 int64_t backward_blocks(at::ScalarType dtype, const BackwardProgram& prog, int threads) {
@@ -229,12 +257,15 @@ Tensors epilogue_backward_cuda(const at::Tensor& grad_output, const at::Tensor& 
   if (prog.accumulators > kMaxGradAccumulators)
     return fallback("more than " + std::to_string(kMaxGradAccumulators) + " params summed over rows");
   const int64_t blocks = backward_blocks(gemm_out.scalar_type(), prog, threads);
+  const int64_t partial_rows = blocks * layout->rows_per_block;
+  const at::Tensor partials =
+      at::empty({prog.accumulators, partial_rows, features}, gemm_out.options().dtype(at::kFloat));
   std::vector<GradBuffer> buffers(binding.row_params.size());
   for (size_t k = 0; k < binding.row_params.size(); ++k) {
     const int source = binding.row_param_sources[k];
     if (source < 0 || !needs_grad.get(source + 1)) continue;
-    buffers[k] = make_grad_buffer(binding.row_params[k], params[source], rows, features,
-                                  blocks * layout->rows_per_block, prog.grads[k].accumulator);
+    buffers[k] = make_grad_buffer(binding.row_params[k], params[source], rows, features, partials,
+                                  prog.grads[k].accumulator);
     if (!buffers[k].reason.empty()) return fallback(buffers[k].reason);
     prog.grads[k] = buffers[k].grad;
   }
@@ -246,16 +277,34 @@ Tensors epilogue_backward_cuda(const at::Tensor& grad_output, const at::Tensor& 
   }
   launch_backward(gemm_out.scalar_type(), prog, blocks, threads);
 
-  // Each flagged param's gradient: its uses summed in fp32, then cast to its dtype once (zeros where it has none).
+  std::vector<at::Tensor> finished(params.size());  // per param: its gradient from finish_summed_on_device, if so
+  if (prog.accumulators > 0 && finishes_on_device(binding, buffers, params, tail_grads, features)) {
+    SummedGrads summed{partials.data_ptr<float>(), {}, partial_rows, static_cast<int32_t>(features),
+                       prog.accumulators};
+    for (size_t k = 0; k < buffers.size(); ++k) {
+      if (buffers[k].grad.kind != GRAD_SUMMED) continue;
+      const int source = binding.row_param_sources[k];
+      finished[source] = at::empty({features}, params[source].options());
+      summed.out[buffers[k].grad.accumulator] = finished[source].data_ptr();
+    }
+    finish_summed_on_device(gemm_out.scalar_type(), summed);
+  }
+
+  // Each other flagged param's gradient: its uses summed in fp32, then cast to its dtype once (zeros where it has
+  // none).
   Tensors grads;
   if (needs_grad.get(0)) grads.push_back(grad_gemm_out);
   for (size_t source = 0; source < params.size(); ++source) {
     if (!needs_grad.get(source + 1)) continue;
     const at::Tensor& param = params[source];
+    if (finished[source].defined()) {
+      grads.push_back(finished[source].view(param.sizes()));
+      continue;
+    }
     at::Tensor total;
     const auto add = [&](const at::Tensor& part) { total = total.defined() ? total + part : part; };
     for (size_t k = 0; k < binding.row_params.size(); ++k)
-      if (binding.row_param_sources[k] == static_cast<int>(source)) add(finish(buffers[k], param));
+      if (binding.row_param_sources[k] == static_cast<int>(source)) add(fp32_gradient(buffers[k], param));
     for (const auto& [index, grad] : tail_grads)
       if (index == static_cast<int>(source)) add(grad.reshape({-1}));
     if (!total.defined()) total = at::zeros({param.numel()}, param.options());

@@ -204,7 +204,7 @@ constexpr int kMaxGradAccumulators = 4;   // params whose gradient sums over row
 enum GradKind : uint8_t {
   GRAD_NONE,     // not asked for
   GRAD_SUMMED,   // one value per feature (or a single value): summed over the block's rows in shared memory,
-                 // then written to out[partial row][feature], fp32; the host sums the partial rows
+                 // then written to out[partial row][feature], fp32; then summed (launch_finish_summed_grads)
   GRAD_PER_ROW,  // one value per row: summed over the row, out[row], fp32
   GRAD_FULL,     // one value per element: out[row][feature], fp32
 };
@@ -230,6 +230,16 @@ struct BackwardProgram {
   bool stage_grad_output;             // it is whole contiguous rows: staged in shared memory with the GEMM output
   int32_t accumulators;               // GRAD_SUMMED params
   int32_t rows_per_block;
+};
+
+// The GRAD_SUMMED gradients finished on the device: out[a][f] = the sum over p of partials[a][p][f] in fp32, stored
+// in the params' type, for every accumulator in one launch.
+struct SummedGrads {
+  const float* partials;                  // [accumulators, partial_rows, features]
+  void* out[kMaxGradAccumulators];        // per accumulator: `features` values of the storage type
+  int64_t partial_rows;
+  int32_t features;
+  int32_t accumulators;
 };
 
 // How the row kernel is launched: rows_per_block rows of TPR threads per block.
@@ -311,5 +321,7 @@ template <class Storage>
 int64_t row_backward_blocks(const BackwardProgram& prog, int threads);
 template <class Storage>
 void launch_row_backward(const BackwardProgram& prog, int64_t blocks, int threads, cudaStream_t stream);
+template <class Storage>
+void launch_finish_summed_grads(const SummedGrads& grads, cudaStream_t stream);
 
 }  // namespace fxfuse

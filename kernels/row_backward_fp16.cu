@@ -5,5 +5,6 @@ namespace fxfuse {
 
 template int64_t row_backward_blocks<Fp16Storage>(const BackwardProgram&, int);
 template void launch_row_backward<Fp16Storage>(const BackwardProgram&, int64_t, int, cudaStream_t);
+template void launch_finish_summed_grads<Fp16Storage>(const SummedGrads&, cudaStream_t);
 
 }  // namespace fxfuse
