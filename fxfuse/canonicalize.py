@@ -516,10 +516,25 @@ def _values_of(node: fx.Node) -> Canonical | None:
     others = [user for user in source.users if user is not node]
     unread = [user for user in others if user.op == "call_function" and not user.users
               and user.target in (operator.getitem, builtins.getattr)]
-    if len(unread) != len(others):
+    # `r[0] + r.values`: fx makes a node for each read of the values; the first is the reduction, the others the
+    # same tensor (identities of it)
+    values = [user for user in others if user not in unread and _reads_values(user)]
+    if len(unread) + len(values) != len(others):
         return Canonical(_VALUES_OF[name], (a["input"],), {}, problem=_other_readers(source, others), covers=(source,))
+    if values and not node.users:
+        return None  # unread: the first read covers it
+    first = source.next
+    while first is not node and first not in values:
+        first = first.next
+    if first is not node:
+        return Canonical(IDENTITY, (first,))
     return Canonical(_VALUES_OF[name], (a["input"],), {"dim": a["dim"], "keepdim": a["keepdim"]},
                      covers=(source, *unread))
+
+
+def _reads_values(user: fx.Node) -> bool:
+    return user.op == "call_function" and user.target in (operator.getitem, builtins.getattr) and \
+        len(user.args) > 1 and user.args[1] in (0, "values")
 
 
 def _other_readers(source: fx.Node, others: list[fx.Node]) -> str:
@@ -530,8 +545,6 @@ def _other_readers(source: fx.Node, others: list[fx.Node]) -> str:
 
     if any(reads(user, (1, "indices")) for user in others):
         return f"the indices of `{source.name}` are used too"
-    if all(reads(user, (0, "values")) for user in others):
-        return f"the values of `{source.name}` are read twice"
     return f"`{source.name}` itself is used too, not only its values"
 
 

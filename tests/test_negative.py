@@ -201,10 +201,21 @@ def test_min_whose_indices_are_used_too():
     assert_not_fused(model, (rows(),), reason="the indices of `min_1` are used too")
 
 
-def test_max_whose_values_are_read_twice_says_so():
-    """explain() said the indices were used."""
-    model = GemmThen(lambda m, x, y: (lambda r: r[0] + r.values)(torch.max(m.fc(x), 1)))
-    assert_not_fused(model, (rows(),), reason="the values of `max_1` are read twice")
+@pytest.mark.parametrize("reads", [lambda r: r[0] + r.values, lambda r: r[0] * r[0] - r[0]],
+                         ids=["[0] and .values", "[0] three times"])
+def test_max_whose_values_are_read_twice_fuses(reads):
+    """fx makes a node for each read of the values, all one tensor: they were refused as 'read twice'."""
+    model = GemmThen(lambda m, x, y: reads(torch.max(m.fc(x), 1)))
+    optimized = assert_fuses(model, (rows(),), regions=1)
+    assert fused_programs(optimized)[0].startswith("max_dim(%0,1,False);")
+    assert_fuses(model, (rows(),), regions=1, example_inputs=False)
+
+
+def test_max_whose_values_alias_an_in_place_change_is_not_fused_past():
+    """`r[0]` read again after `r[0].add_(1)` is the changed tensor."""
+    model = GemmThen(lambda m, x, y: (lambda r: (r[0].add_(1), r[0] * 2)[1])(torch.max(m.fc(x), 1)))
+    optimized = assert_fuses(model, (rows(),), regions=0)
+    assert_reason(optimized, "which `getitem_1` aliases")
 
 
 @pytest.mark.parametrize("operand, promotes", [
