@@ -196,7 +196,10 @@ def _copy_meta(node: fx.Node, source: fx.Node, keys) -> None:
 
 def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool, shapes_guarded: bool) -> fx.Node:
     graph = gm.graph
-    last = max(region.members, key=position.get)
+    # After the region's last op, not after a stand-in that nothing reads and that reads only the region (the unread
+    # indices of `torch.max(h, 1)`, which fx may record after what reads the values: `r = h.max(1); y = r[0]...; r[1]`)
+    members = set(region.members)
+    last = max((m for m in region.members if m.users or not set(m.all_input_nodes) <= members), key=position.get)
     after = last.next
     with graph.inserting_before(after):
         # The region relied on these modules' mode and settings: a later .train() or change must not go unnoticed.

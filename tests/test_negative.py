@@ -211,6 +211,26 @@ def test_max_whose_values_are_read_twice_fuses(reads):
     assert_fuses(model, (rows(),), regions=1, example_inputs=False)
 
 
+class MaxWithIndicesReadLate(nn.Module):
+    """`r[1]` as a statement of its own, after what reads the values: fx records it there, and nothing reads it."""
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(IN, OUT)
+
+    def forward(self, x):
+        r = torch.max(self.fc(x), 1)
+        y = r[0].cumsum(0)
+        r[1]
+        return y
+
+
+def test_max_whose_unread_indices_come_after_the_values_readers_fuses():
+    """The fused op went after the unread `[1]`, behind the cumsum that reads it: fx's lint failed, left unfused."""
+    optimized = assert_fuses(MaxWithIndicesReadLate(), (rows(),), regions=1)
+    assert fused_programs(optimized) == ["max_dim(%0,1,False)"]
+    assert not optimized.fxfuse_report.skipped
+
+
 def test_max_whose_values_alias_an_in_place_change_is_not_fused_past():
     """`r[0]` read again after `r[0].add_(1)` is the changed tensor."""
     model = GemmThen(lambda m, x, y: (lambda r: (r[0].add_(1), r[0] * 2)[1])(torch.max(m.fc(x), 1)))
