@@ -576,12 +576,28 @@ def _call_hooks_set_aside(modules: list[nn.Module]):
             setattr(module, name, hooks)
 
 
+def _kind_of_inputs(inputs: tuple | None):
+    """What a child's trace takes from its example inputs: their structure, which are None, numbers of which type,
+    tensors of which rank, dtype and device (not their sizes: an optimized child takes any batch)."""
+    if inputs is None:
+        return None
+    leaves, spec = pytree.tree_flatten(inputs)
+    return str(spec), tuple((t.dim(), t.dtype, t.device.type) if isinstance(t, torch.Tensor) else type(t)
+                            for t in leaves)
+
+
 def _children_inputs(model: nn.Module, example_inputs) -> dict[str, tuple]:
-    """The inputs each direct child module sees on a run of `model` on `example_inputs` (first call only)."""
+    """The inputs each direct child module sees on a run of `model` on `example_inputs` (its first call's), or None
+    for a child called twice with inputs of different kinds (`block(x)` then `block(x, mask)`, a 2-D then a 3-D x):
+    one call's would make the optimized child raise for the other's, where eager does not."""
     seen: dict[str, tuple | None] = {}
 
     def record(name, module, args, kwargs) -> None:
-        seen.setdefault(name, _as_positional(module, args, kwargs))
+        inputs = _as_positional(module, args, kwargs)
+        if name not in seen:
+            seen[name] = inputs
+        elif seen[name] is not None and _kind_of_inputs(inputs) != _kind_of_inputs(seen[name]):
+            seen[name] = None
 
     hooks = [child.register_forward_pre_hook(functools.partial(record, name), with_kwargs=True)
              for name, child in model.named_children()]

@@ -794,6 +794,42 @@ def test_finding_the_inputs_of_an_untraceable_models_children_leaves_the_random_
     assert torch.equal(torch.rand(4), expected), "optimize() moved the caller's random stream on"
 
 
+class BlockWithOptionalShift(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(IN, OUT)
+
+    def forward(self, x, shift=None):
+        h = torch.relu(self.fc(x))
+        return h if shift is None else h + shift
+
+
+class UntraceableCallingABlockTwice(nn.Module):
+    """One child called twice with inputs of different kinds: `block(x)` then `block(x, shift)`, or a tensor then a
+    number for `shift`."""
+    def __init__(self, second_shift):
+        super().__init__()
+        self.block = BlockWithOptionalShift()
+        self.second_shift = second_shift
+
+    def forward(self, x):
+        if x.sum() > -1e30:  # data-dependent control flow: fx can't trace it, its children are optimized
+            first = self.block(x) if self.second_shift is None else self.block(x, torch.ones(OUT))
+            return first, self.block(x, 2.0 if self.second_shift is None else self.second_shift)
+        return x
+
+
+@pytest.mark.parametrize("second_shift", [None, 2.0], ids=["None then a number", "a tensor then a number"])
+def test_a_child_called_twice_with_inputs_of_different_kinds_takes_both(second_shift):
+    """The child was optimized for its first call's inputs only: the second call raised (fx's 'shift has been
+    specialized to have value None', or the fused op given a number for a Tensor[] param), where eager does not."""
+    model, x = UntraceableCallingABlockTwice(second_shift), rows()
+    optimized = fxfuse.optimize(model, (x,))
+    with torch.no_grad():
+        for actual, expected in zip(optimized(x), model(x)):
+            assert_close_report(actual, expected)
+
+
 def test_one_tensor_as_example_inputs_is_one_input():
     model = GemmThen(lambda m, x, y: F.instance_norm(m.fc(x)))  # fuses only where the rank (3) is known
     x = torch.randn(2, BATCH, IN)
