@@ -268,6 +268,14 @@ bool encode_attribute(const Token& t, float& out) {
 
 bool is_number(const Token& t) { return t.kind == Token::Number || t.kind == Token::Bool; }
 
+// Whether a unary op's attribute is of a kind its reference takes (eager raises TypeError for the others): a number
+// (an int, a float or a bool); None too for clamp's bounds; for gelu's `approximate`, only a string.
+bool attribute_kind_fits(uint8_t opcode, const Token& t) {
+  if (opcode == OP_gelu) return t.kind == Token::String;
+  if (t.kind == Token::None) return opcode == OP_clamp;
+  return is_number(t);
+}
+
 // An integer literal: what eager takes for a dim or a group count (a float or a bool there raises TypeError).
 bool is_integer(const Token& t) { return t.kind == Token::Number && t.integer; }
 
@@ -415,8 +423,7 @@ std::string bind_phase(const Context& ctx, Binding& b, std::vector<Shape>& shape
       case Category::Unary:
         for (size_t a = 0; a < pi.attrs.size(); ++a) {
           float value;
-          // only clamp's bounds may be None (its reference takes None; the other ops' raise TypeError)
-          if (pi.attrs[a].kind == Token::None && pi.op->opcode != OP_clamp) return "a None attribute" + where;
+          if (!attribute_kind_fits(pi.op->opcode, pi.attrs[a])) return "an attribute its op does not take" + where;
           if (!encode_attribute(pi.attrs[a], value)) return "unsupported attribute" + where;
           set_attribute(ins.attrs, a, value);
         }

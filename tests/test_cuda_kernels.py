@@ -671,9 +671,11 @@ def test_errors_are_eager_errors():
     assert str(eager.value).splitlines()[0] in str(fused.value)
 
 
-# Hand-written programs whose references raise TypeError (the pass never writes them): a None where the op takes a
-# number, a float or a bool where it takes an integer dim or group count.
+# Hand-written programs whose references raise TypeError (the pass never writes them): a None or a string where the
+# op takes a number, a number or None for gelu's string, a float or a bool where the op takes an integer dim or
+# group count.
 BAD_ATTRIBUTE_PROGRAMS = ["hardtanh(%0,None,2.0)", "leaky_relu(%0,None)", "softplus(%0,None,20.0)", "pow(%0,None)",
+                          "hardtanh(%0,'tanh',2.0)", "gelu(%0,1.0)", "gelu(%0,None)",
                           "sum(%0,-1.0,True)", "amin(%0,True,True)", "softmax(%0,-1.0)", "logsumexp(%0,1.0,False)",
                           "group_norm(%0,$0,$1,5.0,1e-05)"]
 
