@@ -506,6 +506,10 @@ class _Growth:
         size = c.attrs.get("normalized_size")
         if size is not None and size != self.features:
             return f"{name}'s normalized_shape is ({size},) but the GEMM has {self.features} features (eager raises)"
+        if size is not None and module_tensor_path(self.weight) is None and not self.facts.inputs_guarded:
+            # the program normalizes over the last dim, whatever its size: eager raises for another
+            return (f"{name}'s normalized_shape is ({size},) but the GEMM's weight {describe(self.weight)} is no "
+                    "module tensor, so its feature count may differ at a later call (eager raises there)")
         problem = _rank_problem(node, c.attrs.get("rank_needed"), rank)
         if problem:
             return problem

@@ -2252,3 +2252,25 @@ def test_a_region_cut_by_a_change_fuses_the_part_before_it():
     assert_reason(optimized, "`gate` changes `x` between the region's ops, which read it")
     with torch.no_grad():
         assert_close_report(optimized(x), model(x))
+
+
+# ---------------------------------------------------------------- review h1: error parity for later calls
+
+@pytest.mark.parametrize("norm", [
+    lambda h: F.layer_norm(h, (OUT,)),
+    lambda h: F.rms_norm(h, (OUT,)),
+    lambda h: F.layer_norm(h, (OUT,), torch.ones(OUT)),
+], ids=["layer_norm", "rms_norm", "layer_norm-affine"])
+def test_a_normalized_shape_after_a_forward_argument_weight_is_not_fused(norm):
+    """The program normalizes over the last dim, whatever its size: with a weight of another row count at a later
+    call, eager raises for normalized_shape and the fused op normalized the wider rows silently."""
+    model = GemmThen(lambda m, x, y: norm(F.linear(x, y))).eval()
+    w = torch.randn(OUT, IN)
+    optimized = fxfuse.optimize(model, (rows(), w))
+    assert fused_op_count(optimized) == 0
+    assert_reason(optimized, f"normalized_shape is ({OUT},) but the GEMM's weight `y` is no module tensor")
+    x, wider = rows(), torch.randn(OUT + 1, IN)
+    for candidate in (model, optimized):
+        with pytest.raises(RuntimeError, match="normalized_shape"):
+            candidate(x, wider)
+    assert_close_report(optimized(x, w), model(x, w))
