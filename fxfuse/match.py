@@ -418,10 +418,20 @@ class _Growth:
 
     def in_place_problem(self, node: fx.Node, mutated: fx.Node, operands) -> str | None:
         """An in-place op keeps the mutated value's shape and dtype, where the fused op's result would broadcast
-        and promote like an out-of-place op's: its other operands must provably fit the mutated value. The example
-        inputs prove it by running the op (`node` then has a shape); else an outside tensor must be known, in the
-        GEMM's dtype (outside_operand_problem), and broadcast into one row's features; a region value must not
-        outgrow the mutated one (`h.sum(-1, keepdim=True).mul_(h)`)."""
+        and promote like an out-of-place op's: its other operands must provably fit the mutated value. An outside
+        tensor computed from a graph input may have another shape or dtype at a later call, unless the graph's
+        inputs are guarded (Dynamo's) or it is the input of a GEMM of a module weight (whose dtype the GEMM takes
+        and whose shape differs from the GEMM output's in the weight's sizes only, `out += x`). Else the example
+        inputs prove it by running the op (`node` then has a shape); without them an outside tensor must be known,
+        in the GEMM's dtype (outside_operand_problem), and broadcast into one row's features; a region value must
+        not outgrow the mutated one (`h.sum(-1, keepdim=True).mul_(h)`)."""
+        for operand in operands:
+            outside = self.params[operand.index] if isinstance(operand, Param) else None
+            gemm_input = outside is self.x and module_tensor_path(self.weight) is not None  # `out += x`: as fixed
+            if not self.facts.inputs_guarded and self.facts.tensor(outside) is not None and _reads_input(outside) \
+                    and not gemm_input:
+                return (f"in-place {describe(node)} reads {describe(outside)}, whose shape and dtype may differ at a "
+                        "later call, where eager keeps the mutated value's (or raises)")
         if self.facts.tensor(node) is not None:
             return None
         target = self.value.get(mutated)
@@ -563,6 +573,20 @@ class _Growth:
         if leaving - {last} or self.value[last] != len(self.instructions):
             return None
         return last
+
+
+def _reads_input(obj) -> bool:
+    """Whether `obj` is a graph input or computed from one (its shape and dtype are then the caller's)."""
+    seen, stack = set(), [obj] if isinstance(obj, fx.Node) else []
+    while stack:
+        node = stack.pop()
+        if node.op == "placeholder":
+            return True
+        for source in node.all_input_nodes:
+            if source not in seen:
+                seen.add(source)
+                stack.append(source)
+    return False
 
 
 def _rank_problem(node: fx.Node, needed, rank: int | None) -> str | None:

@@ -2274,3 +2274,24 @@ def test_a_normalized_shape_after_a_forward_argument_weight_is_not_fused(norm):
         with pytest.raises(RuntimeError, match="normalized_shape"):
             candidate(x, wider)
     assert_close_report(optimized(x, w), model(x, w))
+
+
+@pytest.mark.parametrize("later_y, error", [
+    (torch.randn(3, BATCH, OUT), RuntimeError),              # would broadcast the mutated value bigger
+    (torch.randn(BATCH, OUT, dtype=torch.float64), None),     # eager keeps float32
+], ids=["3-D", "float64"])
+def test_an_in_place_op_of_a_forward_argument_keeps_eagers_shape_and_dtype_at_later_calls(later_y, error):
+    """The example inputs proved that `h.add_(y)` keeps h's shape and dtype for the example y only: a later y of
+    more dims gave a bigger result where eager raises, a float64 one a float64 result where eager's stays float32."""
+    model = GemmThen(lambda m, x, y: torch.relu(m.fc(x).add_(y))).eval()
+    optimized = fxfuse.optimize(model, (rows(), torch.randn(BATCH, OUT)))
+    assert_reason(optimized, "in-place `add_` reads `y`, whose shape and dtype may differ at a later call")
+    x = rows()
+    if error is not None:
+        for candidate in (model, optimized):
+            with pytest.raises(error, match="doesn't match the broadcast shape"):
+                candidate(x, later_y)
+    else:
+        expected = model(x, later_y)
+        assert optimized(x, later_y).dtype == expected.dtype == torch.float32
+        assert_close_report(optimized(x, later_y), expected)
