@@ -117,11 +117,19 @@ def require_settings(x, module: nn.Module, path: str, settings: dict, kind: str)
                                "run fxfuse.optimize() on the model again")
 
 
-def require_matrix(x: torch.Tensor) -> None:
-    """Called by rewritten graphs before a fused op whose GEMM was torch.mm or addmm: eager's error for an input
-    that is no matrix (the fused op itself takes any leading dims)."""
-    if x.dim() != 2:
-        raise RuntimeError(f"self must be a matrix (mm and addmm take 2-D inputs; got {x.dim()}-D)")
+def require_matrix(x: torch.Tensor, op: str = "mm") -> None:
+    """Called by rewritten graphs before a fused op whose GEMM was torch.mm or addmm (`op`): eager's error for an
+    input that is no matrix (the fused op itself takes any leading dims), raised by that op itself on empty tensors
+    of x's rank, dtype and device (its meta kernel words it otherwise)."""
+    if isinstance(x, torch.Tensor) and x.dim() == 2:
+        return
+    stand_in = x.new_empty((0,) * x.dim()) if isinstance(x, torch.Tensor) else x
+    empty = x.new_empty((0, 0)) if isinstance(x, torch.Tensor) else torch.empty(0, 0)
+    if op == "addmm":
+        torch.addmm(empty.new_empty(0), stand_in, empty)
+    else:
+        torch.mm(stand_in, empty)
+    raise RuntimeError(f"{op}: the input must be a matrix")  # (eager's op raised above)
 
 
 def require_rank(tensor: torch.Tensor, rank: int, what: str) -> None:
@@ -214,7 +222,8 @@ def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool,
             graph.call_function(require_settings, (region.x, graph.get_attr(member.target), member.target, settings,
                                                    kind_of(module)))
         if region.check_matrix:
-            graph.call_function(require_matrix, (region.x,))
+            op = "addmm" if region.anchor.target is torch.addmm else "mm"
+            graph.call_function(require_matrix, (region.x, op))
         if region.x_rank is not None and not shapes_guarded:
             graph.call_function(require_rank, (region.x, region.x_rank, "input"))
         if isinstance(region.weight, fx.Node) and region.weight.op == "placeholder" and not shapes_guarded:

@@ -2295,3 +2295,24 @@ def test_an_in_place_op_of_a_forward_argument_keeps_eagers_shape_and_dtype_at_la
         expected = model(x, later_y)
         assert optimized(x, later_y).dtype == expected.dtype == torch.float32
         assert_close_report(optimized(x, later_y), expected)
+
+
+def _first_line_of_error(call):
+    try:
+        call()
+    except Exception as error:  # noqa: BLE001 (the error itself is what is compared)
+        return type(error), str(error).splitlines()[0]
+    raise AssertionError("no error raised")
+
+
+@pytest.mark.parametrize("gemm", ["mm-of-3-D", "addmm-of-3-D"])
+@pytest.mark.parametrize("bad", [torch.randn(IN), torch.randn(2, BATCH, IN), None], ids=["1-D", "3-D", "None"])
+@pytest.mark.parametrize("shapes", [True, False], ids=["example-inputs", "no-example-inputs"])
+def test_mm_and_addmm_of_no_matrix_raise_eagers_own_error(gemm, bad, shapes):
+    """The check before a fused mm/addmm raised a message of its own ("self must be a matrix (mm and addmm take
+    2-D inputs; got 3-D)", where addmm says "mat1 must be a matrix, got 3-D tensor"), and an AttributeError for
+    None where eager raises a TypeError."""
+    model = GemmThen(EAGER_ERRORS[gemm][0]).eval()
+    optimized = fxfuse.optimize(model, (rows(),) if shapes else None)
+    assert fused_op_count(optimized) == 1
+    assert _first_line_of_error(lambda: optimized(bad)) == _first_line_of_error(lambda: model(bad))
