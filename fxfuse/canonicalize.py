@@ -488,6 +488,8 @@ _VALUES_OF = {"max": "max_dim", "min": "min_dim"}
 def _max_min(a, inplace):
     if isinstance(a["dim"], fx.Node):  # torch.max(h, other): elementwise, which the vocabulary has not
         raise NotFusible("elementwise max/min of two tensors is not an epilogue op")
+    if a["dim"] is None:  # h.max(): one number, and no indices
+        raise NotFusible("max/min without a dim reduces the whole tensor")
     raise NotFusible("max/min over a dim is fused through its `.values` or `[0]` (its indices are not)")
 
 

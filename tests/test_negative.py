@@ -2316,3 +2316,12 @@ def test_mm_and_addmm_of_no_matrix_raise_eagers_own_error(gemm, bad, shapes):
     optimized = fxfuse.optimize(model, (rows(),) if shapes else None)
     assert fused_op_count(optimized) == 1
     assert _first_line_of_error(lambda: optimized(bad)) == _first_line_of_error(lambda: model(bad))
+
+
+@pytest.mark.parametrize("reduce", [lambda h: h.max(), lambda h: torch.min(h)], ids=["h.max()", "torch.min(h)"])
+def test_max_or_min_without_a_dim_says_it_reduces_the_whole_tensor(reduce):
+    """explain() said "max/min over a dim is fused through its `.values` or `[0]`" for `h.max()`, which has no dim
+    and no indices."""
+    model = GemmThen(lambda m, x, y: reduce(m.fc(x))).eval()
+    assert_not_fused(model, (rows(),), reason="max/min without a dim reduces the whole tensor")
+
