@@ -653,8 +653,12 @@ def find_region(gm: fx.GraphModule, anchor: fx.Node, canon, facts: Facts):
     if best is None:
         if len(growth.members) > 1:  # ops were admitted, but no prefix of them has a single output
             misses.insert(0, NearMiss(anchor, anchor, _escape_reason(growth)))
-        if not misses:
-            misses = [NearMiss(anchor, anchor, "no epilogue op follows the GEMM")]
+        if not misses:  # (a Boundary: another GEMM, the output, or an op an earlier GEMM's region took)
+            taken = next((n for n in rejected if n.op == "call_function" and n.target in FUSED_OPS), None)
+            reason = "no epilogue op follows the GEMM" if taken is None else \
+                f"the epilogue op that follows it was fused into another GEMM's region, whose {describe(taken)} " \
+                "reads it"
+            misses = [NearMiss(anchor, anchor, reason)]
         return None, _keep_relevant(misses, growth)
     n_members = best[0][0]
     if n_members < len(growth.members) and first_cut_reason:

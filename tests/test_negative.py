@@ -2325,3 +2325,13 @@ def test_max_or_min_without_a_dim_says_it_reduces_the_whole_tensor(reduce):
     model = GemmThen(lambda m, x, y: reduce(m.fc(x))).eval()
     assert_not_fused(model, (rows(),), reason="max/min without a dim reduces the whole tensor")
 
+
+def test_a_gemm_whose_epilogue_op_another_region_took_says_so():
+    """`relu(fc(x) + fc2(x))`: fc's region takes the add, reading fc2's output as a param; explain() said "no epilogue
+    op follows the GEMM" for fc2, which an add does follow."""
+    model = GemmThen(lambda m, x, y: torch.relu(m.fc(x) + m.fc2(x)), fc2=nn.Linear(IN, OUT)).eval()
+    optimized = fxfuse.optimize(model, (rows(),))
+    assert fused_op_count(optimized) == 1
+    assert_reason(optimized, "the epilogue op that follows it was fused into another GEMM's region, whose "
+                             "`gemm_epilogue_default` reads it")
+    assert "no epilogue op follows the GEMM" not in str(optimized.fxfuse_report)
