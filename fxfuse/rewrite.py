@@ -171,8 +171,9 @@ def require_no_function_transform(x: torch.Tensor) -> None:
 
 
 def number_as_tensor(value):
-    """Called by rewritten graphs for a forward argument that the matcher took for a tensor without example inputs:
-    a number passed there (Python's or NumPy's) becomes a 0-d CPU tensor, which torch's ops read at full precision
+    """Called by rewritten graphs for a forward argument that the matcher took for a tensor (optimize()'s: a number
+    may be passed where the example input was a tensor) or that it could not tell without example inputs: a number
+    passed there (Python's or NumPy's) becomes a 0-d CPU tensor, which torch's ops read at full precision
     as they read a number, and which does not promote the result's dtype; the fused op's tensor params take it
     (on a GPU, its reference runs). NumPy's bool_ is no numbers.Number: its scalars are told by their module. A
     float becomes a float64 tensor (a complex one complex128), as precise as Python's number: a float32 one made
@@ -187,10 +188,13 @@ def number_as_tensor(value):
     return torch.tensor(value)
 
 
-def _maybe_number(node) -> bool:
-    """A graph input of unknown type (no example inputs, no annotation or default that says it is no tensor)."""
+def _maybe_number(node, shapes_guarded: bool) -> bool:
+    """A graph input that may be a number at a call: of unknown type (no example inputs, no annotation or default
+    that says it is no tensor), or any forward argument of optimize()'s graphs (an example input that was a tensor
+    says nothing of a later call's; Dynamo guards the types of its graph's inputs)."""
     known = ("val", "example_value", "tensor_meta")
-    return isinstance(node, fx.Node) and node.op == "placeholder" and not any(k in node.meta for k in known)
+    return isinstance(node, fx.Node) and node.op == "placeholder" and \
+        (not shapes_guarded or not any(k in node.meta for k in known))
 
 
 # What a rewritten graph calls beside its fused ops.
@@ -236,8 +240,8 @@ def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool,
         weight = _tensor_node(graph, region.weight)
         if region.transpose_weight:
             weight = graph.call_function(torch.t, (weight,))
-        params = [graph.call_function(number_as_tensor, (p,)) if _maybe_number(p) else _tensor_node(graph, p)
-                  for p in region.params]
+        params = [graph.call_function(number_as_tensor, (p,)) if _maybe_number(p, shapes_guarded)
+                  else _tensor_node(graph, p) for p in region.params]
         args = (region.x, weight, _tensor_node(graph, region.bias), params, str(region.program))
         if training:
             pair = graph.call_function(gemm_epilogue_train, args)

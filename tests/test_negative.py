@@ -2335,3 +2335,17 @@ def test_a_gemm_whose_epilogue_op_another_region_took_says_so():
     assert_reason(optimized, "the epilogue op that follows it was fused into another GEMM's region, whose "
                              "`gemm_epilogue_default` reads it")
     assert "no epilogue op follows the GEMM" not in str(optimized.fxfuse_report)
+
+
+@pytest.mark.parametrize("number", [2.0, 3, True], ids=["float", "int", "bool"])
+def test_a_number_where_the_example_input_was_a_tensor_computes_as_eager(number):
+    """A forward argument whose example input was a tensor was passed to the fused op as is: a number there made
+    the op's schema raise ("Expected a value of type 'List[Tensor]' for argument 'params'"), where eager computes."""
+    model = GemmThen(lambda m, x, y: torch.relu(m.fc(x) * y + y)).eval()
+    optimized = fxfuse.optimize(model, (rows(), torch.randn(BATCH, OUT)))
+    assert fused_op_count(optimized) == 1
+    x = rows()
+    expected = model(x, number)
+    result = optimized(x, number)
+    assert result.dtype == expected.dtype
+    assert_close_report(result, expected)
