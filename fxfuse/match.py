@@ -424,7 +424,8 @@ class _Growth:
         and whose shape differs from the GEMM output's in the weight's sizes only, `out += x`). Else the example
         inputs prove it by running the op (`node` then has a shape); without them an outside tensor must be known,
         in the GEMM's dtype (outside_operand_problem), and broadcast into one row's features; a region value must
-        not outgrow the mutated one (`h.sum(-1, keepdim=True).mul_(h)`)."""
+        not outgrow the mutated one (`h.sum(-1, keepdim=True).mul_(h)`). An outside tensor of another dtype than the
+        mutated value's as traced (an fp32 param of a bf16 value in Dynamo's graph under autocast) would promote it."""
         for operand in operands:
             outside = self.params[operand.index] if isinstance(operand, Param) else None
             gemm_input = outside is self.x and module_tensor_path(self.weight) is not None  # `out += x`: as fixed
@@ -432,6 +433,13 @@ class _Growth:
                     and not gemm_input:
                 return (f"in-place {describe(node)} reads {describe(outside)}, whose shape and dtype may differ at a "
                         "later call, where eager keeps the mutated value's (or raises)")
+        changed = self.facts.tensor(mutated)
+        for operand in operands:
+            tensor = self.facts.tensor(self.params[operand.index]) if isinstance(operand, Param) else None
+            if tensor is not None and changed is not None and tensor.dtype != changed.dtype:
+                return (f"in-place {describe(node)} keeps {describe(mutated)} {_dtype_name(changed.dtype)}, where the "
+                        f"fused op would promote it with {describe(self.params[operand.index])} "
+                        f"({_dtype_name(tensor.dtype)})")
         if self.facts.tensor(node) is not None:
             return None
         target = self.value.get(mutated)

@@ -272,3 +272,28 @@ def test_optimize_leaves_a_forward_that_calls_an_autocast_setter_to_its_children
     assert_close_report(actual, expected)
     (skipped,) = optimized.fxfuse_report.skipped
     assert "switches autocast" in skipped.reason, skipped.reason
+
+
+class InPlaceBias(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.b = nn.Linear(32, 24), nn.Parameter(torch.randn(24))
+
+    def forward(self, x):
+        out = self.fc(x)
+        out += self.b
+        return torch.relu(out)
+
+
+def test_an_in_place_op_with_an_fp32_param_keeps_the_autocast_dtype_under_the_backend():
+    """`out += self.b` keeps bf16 `out` bf16 in eager; the backend fused it as an add, which under autocast ran with
+    the fp32 param unfused and promoted the result to fp32."""
+    model, x = InPlaceBias().eval(), torch.randn(8, 32)
+    backend = fxfuse.make_backend(inner="eager")
+    torch._dynamo.reset()
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        expected = model(x)
+        actual = torch.compile(model, backend=backend)(x)
+    assert actual.dtype == expected.dtype == torch.bfloat16
+    assert_close_report(actual, expected)
+    assert any("keeps `out` bfloat16" in row.reason for report in backend.reports for row in report.near_misses)
