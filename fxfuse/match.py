@@ -325,8 +325,8 @@ class _Growth:
             self.members.append(member)
             self.member_set.add(member)
 
-    def emit(self, node, op, operands, attrs, rank, reduced=False, dropped=False, drops_dim=False):
-        self.instructions.append(Instruction(op, tuple(operands), tuple(attrs)))
+    def emit(self, node, op, operands, attrs, rank, reduced=False, dropped=False, drops_dim=False, in_place=False):
+        self.instructions.append(Instruction(op, tuple(operands), tuple(attrs), in_place))
         index = len(self.instructions)
         self.value[node] = index
         self.rank[index] = rank
@@ -412,8 +412,12 @@ class _Growth:
         # broadcasts the reduced value back onto full rows.
         drops_dim = reduces and not c.attrs["keepdim"]
         dropped = drops_dim if reduces else all(v.index in self.dropped for v in values)
+        # An in-place op with another tensor operand keeps the changed value's dtype (program.py), which autocast may
+        # make 16-bit where the operand stays float32
+        in_place = (mutated is not None and operands[0] == Value(self.value.get(mutated, -1))
+                    and any(isinstance(o, (Value, Param)) for o in operands[1:]))
         self.emit(node, c.op, operands, attrs, rank, reduced=reduces or all(v.index in self.reduced for v in values),
-                  dropped=dropped, drops_dim=drops_dim)
+                  dropped=dropped, drops_dim=drops_dim, in_place=in_place)
         return None
 
     def in_place_problem(self, node: fx.Node, mutated: fx.Node, operands) -> str | None:
@@ -424,8 +428,9 @@ class _Growth:
         and whose shape differs from the GEMM output's in the weight's sizes only, `out += x`). Else the example
         inputs prove it by running the op (`node` then has a shape); without them an outside tensor must be known,
         in the GEMM's dtype (outside_operand_problem), and broadcast into one row's features; a region value must
-        not outgrow the mutated one (`h.sum(-1, keepdim=True).mul_(h)`). An outside tensor of another dtype than the
-        mutated value's as traced (an fp32 param of a bf16 value in Dynamo's graph under autocast) would promote it."""
+        not outgrow the mutated one (`h.sum(-1, keepdim=True).mul_(h)`). The dtype needs no proof: the program's
+        in-place instruction keeps the mutated value's (program.py), as under autocast, where the mutated value may
+        be 16-bit and the other operand float32."""
         for operand in operands:
             outside = self.params[operand.index] if isinstance(operand, Param) else None
             gemm_input = outside is self.x and module_tensor_path(self.weight) is not None  # `out += x`: as fixed
@@ -433,13 +438,6 @@ class _Growth:
                     and not gemm_input:
                 return (f"in-place {describe(node)} reads {describe(outside)}, whose shape and dtype may differ at a "
                         "later call, where eager keeps the mutated value's (or raises)")
-        changed = self.facts.tensor(mutated)
-        for operand in operands:
-            tensor = self.facts.tensor(self.params[operand.index]) if isinstance(operand, Param) else None
-            if tensor is not None and changed is not None and tensor.dtype != changed.dtype:
-                return (f"in-place {describe(node)} keeps {describe(mutated)} {_dtype_name(changed.dtype)}, where the "
-                        f"fused op would promote it with {describe(self.params[operand.index])} "
-                        f"({_dtype_name(tensor.dtype)})")
         if self.facts.tensor(node) is not None:
             return None
         target = self.value.get(mutated)

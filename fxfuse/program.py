@@ -13,6 +13,9 @@ A program is a straight-line list of epilogue instructions in SSA form, serializ
   or a quoted string such as ``'tanh'``.
 - Each instruction lists its operands, then its attributes, in the order of its reference's signature
   (``fxfuse.epilogue``). The last instruction's value is the op's result.
+- An op name with a trailing ``_`` (``add_(%1,$0)``) is the model's in-place op: its value keeps the dtype of its
+  first operand, the value it changed, as torch's in-place ops do (under autocast a 16-bit value plus a float32
+  param would otherwise promote). The kernels compute in one dtype, where it is the op itself.
 """
 from __future__ import annotations
 
@@ -70,16 +73,20 @@ def parse_token(token: str) -> Operand:
         return float(token)
 
 
+IN_PLACE = "_"  # the suffix of an in-place instruction's op name
+
+
 @dataclass(frozen=True)
 class Instruction:
     op: str
     operands: tuple[Operand, ...]
     attrs: tuple[Any, ...]
+    in_place: bool = False  # the value keeps its first operand's dtype
 
     def __str__(self):
         items = [str(o) if isinstance(o, (Value, Param)) else format_literal(o) for o in self.operands]
         items += [format_literal(a) for a in self.attrs]
-        return f"{self.op}({','.join(items)})"
+        return f"{self.op}{IN_PLACE if self.in_place else ''}({','.join(items)})"
 
     @property
     def attr_dict(self) -> dict[str, Any]:
@@ -99,6 +106,9 @@ class Program:
         instructions = []
         for item in filter(None, (s.strip() for s in text.split(";"))):
             name, _, rest = item.partition("(")
+            in_place = name.endswith(IN_PLACE) and name[:-len(IN_PLACE)] in EPILOGUE_OPS
+            if in_place:
+                name = name[:-len(IN_PLACE)]
             if name not in EPILOGUE_OPS or not rest.endswith(")"):
                 raise ValueError(f"fxfuse: bad program instruction {item!r}")
             spec = EPILOGUE_OPS[name]
@@ -110,7 +120,7 @@ class Program:
             for operand in tokens[:n]:
                 if isinstance(operand, Value) and operand.index > len(instructions):
                     raise ValueError(f"fxfuse: {item!r} reads %{operand.index} before it is defined")
-            instructions.append(Instruction(name, tuple(tokens[:n]), tuple(tokens[n:])))
+            instructions.append(Instruction(name, tuple(tokens[:n]), tuple(tokens[n:]), in_place))
         return Program(tuple(instructions))
 
 
@@ -127,7 +137,8 @@ def run_program(y: torch.Tensor, params: Sequence[torch.Tensor], program: str) -
                 args.append(params[operand.index])
             else:
                 args.append(operand)
-        values.append(EPILOGUE_OPS[instruction.op].reference(*args, **instruction.attr_dict))
+        value = EPILOGUE_OPS[instruction.op].reference(*args, **instruction.attr_dict)
+        values.append(value.to(args[0].dtype) if instruction.in_place else value)
     return values[-1]
 
 

@@ -56,7 +56,10 @@ const OpInfo kOps[] = {FXFUSE_UNARY_OPS(FXFUSE_UNARY_INFO) FXFUSE_BINARY_OPS(FXF
 #undef FXFUSE_NORM_INFO
 #undef FXFUSE_REDUCTION_INFO
 
-const OpInfo* find_op(const std::string& name) {
+// An op by its name in a program. A trailing '_' (the model's in-place op, whose value keeps its first operand's
+// dtype: fxfuse/program.py) is the op itself here, where every value has the one storage type.
+const OpInfo* find_op(std::string name) {
+  if (!name.empty() && name.back() == '_') name.pop_back();
   for (const OpInfo& op : kOps)
     if (name == op.name) return &op;
   return nullptr;

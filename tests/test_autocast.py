@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxfuse
+from epilogue_models import fused_programs
 from fxfuse.testing import assert_close_report, fused_op_count
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
@@ -285,9 +286,34 @@ class InPlaceBias(nn.Module):
         return torch.relu(out)
 
 
+class InPlaceResidual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+
+    def forward(self, x):
+        out = self.fc(x)
+        out += x
+        return torch.relu(out)
+
+
+@pytest.mark.parametrize("model_class", [InPlaceBias, InPlaceResidual], ids=["out += self.b", "out += x"])
+def test_an_in_place_op_with_an_fp32_operand_keeps_the_autocast_dtype_in_optimizes_model(model_class):
+    """optimize() traces without autocast, where both operands are fp32: its program said add, and under bf16
+    autocast its reference (the param is not bf16) added out of place, promoting eager's bf16 `out` to fp32. The
+    program now says add_ (program.py), which keeps the changed value's dtype."""
+    torch.manual_seed(0)
+    model, x = model_class().eval(), torch.randn(8, 32)
+    optimized = fxfuse.optimize(model, (x,))
+    assert fused_programs(optimized) == ["add_(%0,$0);relu(%1)"]
+    expected, actual = _under_bf16_autocast(model, optimized, x)
+    assert actual.dtype == expected.dtype == torch.bfloat16
+    assert_close_report(actual, expected)
+
+
 def test_an_in_place_op_with_an_fp32_param_keeps_the_autocast_dtype_under_the_backend():
     """`out += self.b` keeps bf16 `out` bf16 in eager; the backend fused it as an add, which under autocast ran with
-    the fp32 param unfused and promoted the result to fp32."""
+    the fp32 param unfused and promoted the result to fp32. Its program says add_ now."""
     model, x = InPlaceBias().eval(), torch.randn(8, 32)
     backend = fxfuse.make_backend(inner="eager")
     torch._dynamo.reset()
@@ -296,4 +322,4 @@ def test_an_in_place_op_with_an_fp32_param_keeps_the_autocast_dtype_under_the_ba
         actual = torch.compile(model, backend=backend)(x)
     assert actual.dtype == expected.dtype == torch.bfloat16
     assert_close_report(actual, expected)
-    assert any("keeps `out` bfloat16" in row.reason for report in backend.reports for row in report.near_misses)
+    assert [row.program for report in backend.reports for row in report.fused] == ["add_(%0,$0);relu(%1)"]

@@ -660,6 +660,19 @@ def test_a_cpu_scalar_param_runs_the_reference_as_eager_takes_it(caplog):
     assert_close_to_reference(out, x, weight, bias, params, program, BOUNDS["fp32"])
 
 
+def test_an_in_place_instruction_runs_the_kernels_as_its_op(caplog):
+    """`add_` (the model's in-place add, program.py) keeps its first operand's dtype, which the kernels' one storage
+    type does: it binds as add, with no fallback."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    x, weight, bias = linear_inputs(64, 96, 128, torch.float32)
+    params = [torch.randn(128, device="cuda")]
+    with caplog.at_level(logging.DEBUG, logger="fxfuse"):
+        out = torch.ops.fxfuse.gemm_epilogue(x, weight, bias, params, "add_(%0,$0);relu(%1)")
+    messages = [record.getMessage() for record in caplog.records]
+    assert not any("runs the reference" in m for m in messages), messages
+    assert_close_to_reference(out, x, weight, bias, params, "add(%0,$0);relu(%1)", BOUNDS["fp32"])
+
+
 def test_errors_are_eager_errors():
     x, weight, bias = linear_inputs(8, 16, 30, torch.float32)
     params = [torch.randn(30, device="cuda"), torch.randn(30, device="cuda")]
