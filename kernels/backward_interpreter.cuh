@@ -489,7 +489,8 @@ __global__ void __launch_bounds__(kMaxBackwardThreads, 1)
 // slices of the partial rows: each thread sums every kFinishSlices-th partial row of its column in fp32 (four
 // running sums, so that its loads overlap), then the first slice adds the slices' sums in shared memory and
 // stores the column's gradient in the params' type. With the slices a thread loads every eighth partial row (the
-// examples' 264 partial rows: 33 loads) and the grid of their 2 x 8192 columns has 131 K threads, not 16 K.
+// examples' backward grid of 132 blocks of one row: 17 loads) and the grid of their 2 x 8192 columns has 131 K
+// threads, not 16 K.
 constexpr int kFinishColumns = 32;
 constexpr int kFinishSlices = 8;
 
