@@ -412,10 +412,9 @@ class _Growth:
         # broadcasts the reduced value back onto full rows.
         drops_dim = reduces and not c.attrs["keepdim"]
         dropped = drops_dim if reduces else all(v.index in self.dropped for v in values)
-        # An in-place op with another tensor operand keeps the changed value's dtype (program.py), which autocast may
-        # make 16-bit where the operand stays float32
-        in_place = (mutated is not None and operands[0] == Value(self.value.get(mutated, -1))
-                    and any(isinstance(o, (Value, Param)) for o in operands[1:]))
+        # An in-place op keeps the changed value's dtype (program.py), where autocast may promote its out-of-place
+        # form: a 16-bit value plus a float32 param, or on CUDA `h.exp_()`, whose `exp` runs in float32
+        in_place = mutated is not None and operands[0] == Value(self.value.get(mutated, -1))
         self.emit(node, c.op, operands, attrs, rank, reduced=reduces or all(v.index in self.reduced for v in values),
                   dropped=dropped, drops_dim=drops_dim, in_place=in_place)
         return None

@@ -323,3 +323,55 @@ def test_an_in_place_op_with_an_fp32_param_keeps_the_autocast_dtype_under_the_ba
     assert actual.dtype == expected.dtype == torch.bfloat16
     assert_close_report(actual, expected)
     assert [row.program for report in backend.reports for row in report.fused] == ["add_(%0,$0);relu(%1)"]
+
+
+class ExpInPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 24)
+
+    def forward(self, x):
+        out = self.fc(x)
+        out.exp_()
+        return out
+
+
+@pytest.fixture
+def cpu_autocast_runs_exp_in_fp32():
+    """CUDA's autocast policy for aten::exp (float32; its in-place exp_ has none), given to CPU's autocast for one
+    test: CPU's runs every op of the vocabulary in its own dtype."""
+    key = torch._C.DispatchKey.AutocastCPU
+
+    def exp_in_fp32(t):
+        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
+            return torch.exp(t.float())
+
+    library = torch.library.Library("aten", "IMPL")
+    library.impl("exp", exp_in_fp32, "AutocastCPU")
+    from fxfuse import library as fxfuse_library
+    cached = dict(fxfuse_library._autocast_result_dtypes)
+    try:
+        yield
+    finally:
+        library._destroy()
+        fxfuse_library._autocast_result_dtypes.clear()
+        fxfuse_library._autocast_result_dtypes.update(cached)
+
+
+@pytest.mark.parametrize("front_door", ["optimize", "backend"])
+def test_an_in_place_unary_op_keeps_its_value_dtype_where_autocast_runs_its_op_in_fp32(cpu_autocast_runs_exp_in_fp32,
+                                                                                        front_door):
+    """`out.exp_()` keeps bf16 `out` bf16 under CUDA's autocast, which runs the out-of-place exp (and log, rsqrt,
+    pow, softplus...) in fp32 but leaves in-place ops alone. Only an in-place op with another tensor operand was an
+    in-place instruction: the program said exp, whose result the fused op returned in fp32."""
+    torch.manual_seed(0)
+    model, x = ExpInPlace().eval(), torch.randn(8, 32)
+    if front_door == "optimize":
+        fused = fxfuse.optimize(model, (x,))
+    else:
+        torch._dynamo.reset()
+        fused = torch.compile(model, backend=fxfuse.make_backend(inner="eager"))
+    with torch.no_grad():
+        expected, actual = _under_bf16_autocast(model, fused, x)
+    assert actual.dtype == expected.dtype == torch.bfloat16
+    assert_close_report(actual, expected)

@@ -188,7 +188,7 @@ POINTWISE = [
     case("x**=2", "pow", inplace_pow),
     case("torch.square", "pow(%0,2.0)", lambda m, x, y: torch.square(m.fc(x))),
     case("Tensor.square", "pow(%0,2.0)", lambda m, x, y: m.fc(x).square()),
-    case("Tensor.square_", "pow(%0,2.0)", lambda m, x, y: m.fc(x).square_()),
+    case("Tensor.square_", "pow_(%0,2.0)", lambda m, x, y: m.fc(x).square_()),
     # add, sub, mul, div: scalars, per-feature vectors, parameters and buffers that broadcast
     case("x+param", "add", lambda m, x, y: m.fc(x) + m.b, b=vector()),
     case("param+x", "add", lambda m, x, y: m.b + m.fc(x), b=vector()),
