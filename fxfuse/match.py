@@ -251,7 +251,9 @@ class _Growth:
                     stack.append(source)
         return None
 
-    def outside_operand_problem(self, operand, dtype) -> str | None:
+    def outside_operand_problem(self, operand, dtype, in_place: bool = False) -> str | None:
+        """Why `operand`, a tensor from outside the region, can't be a param of its fused op, or None. `in_place`:
+        it is an operand of an in-place op, whose value keeps its dtype in eager (`h += b64` stays float32)."""
         if isinstance(operand, fx.Node):
             through = self.depends_on_region(operand)
             if through is not None:
@@ -266,7 +268,8 @@ class _Growth:
         tensor = self.facts.tensor(operand)
         if tensor is not None and tensor.dtype != dtype:
             value = torch.empty(0, dtype=dtype, device="meta")
-            promoted = torch.result_type(value, torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")) != dtype
+            promoted = not in_place and \
+                torch.result_type(value, torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")) != dtype
             effect = ("eager would promote the result" if promoted
                       else "the fused op takes params in the GEMM's dtype only")
             return (f"operand {describe(operand)} is {_dtype_name(tensor.dtype)} while the GEMM is "
@@ -371,7 +374,7 @@ class _Growth:
             if isinstance(operand, fx.Node) and operand in self.value:
                 operands.append(Value(self.value[operand]))
             elif isinstance(operand, (fx.Node, Attr)):
-                problem = self.outside_operand_problem(operand, self.dtype)
+                problem = self.outside_operand_problem(operand, self.dtype, in_place=mutated is not None)
                 if problem:
                     return problem
                 operands.append(self.param(operand))

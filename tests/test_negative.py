@@ -252,6 +252,15 @@ def test_an_operand_of_another_dtype_says_whether_eager_promotes(operand, promot
     assert_reason(optimized, f"while the GEMM is float32 ({effect})")
 
 
+def test_an_in_place_operand_of_another_dtype_does_not_say_eager_promotes():
+    """`h += self.s` with a float64 vector keeps `h` float32 in eager: explain() said eager would promote it."""
+    model = GemmThen(lambda m, x, y: torch.relu(m.fc(x).add_(m.s)), s=torch.ones(OUT, dtype=torch.float64))
+    optimized = assert_not_fused(model, (rows(),))
+    assert_reason(optimized, "while the GEMM is float32 (the fused op takes params in the GEMM's dtype only)")
+    with torch.no_grad():
+        assert optimized(rows()).dtype == model(rows()).dtype == torch.float32
+
+
 # ---------------------------------------------------------------- dtypes
 
 
