@@ -14,7 +14,7 @@ A program is a straight-line list of epilogue instructions in SSA form, serializ
 - Each instruction lists its operands, then its attributes, in the order of its reference's signature
   (``fxfuse.epilogue``). The last instruction's value is the op's result.
 - An op name with a trailing ``_`` (``add_(%1,$0)``) is the model's in-place op: its value keeps the dtype of its
-  first operand, the value it changed, as torch's in-place ops do (under autocast a 16-bit value plus a float32
+  first operand, the value (``%i``) it changed, as torch's in-place ops do (under autocast a 16-bit value plus a float32
   param would otherwise promote). The kernels compute in one dtype, where it is the op itself.
 """
 from __future__ import annotations
@@ -120,6 +120,8 @@ class Program:
             for operand in tokens[:n]:
                 if isinstance(operand, Value) and operand.index > len(instructions):
                     raise ValueError(f"fxfuse: {item!r} reads %{operand.index} before it is defined")
+            if in_place and not (n and isinstance(tokens[0], Value)):
+                raise ValueError(f"fxfuse: in-place {item!r} changes no value of the program (its first operand)")
             instructions.append(Instruction(name, tuple(tokens[:n]), tuple(tokens[n:]), in_place))
         return Program(tuple(instructions))
 

@@ -179,6 +179,8 @@ def test_program_literals_keep_their_values():
     ("clamp(%0,1.0)", "takes 1 operands and 2 attributes"),
     ("relu(%1)", "reads %1 before it is defined"),
     ("relu(%0);add(%2,%0)", "reads %2 before it is defined"),
+    ("sub_(2.0,%0)", "changes no value of the program"),  # the reference read the number's dtype: AttributeError
+    ("add_($0,%0)", "changes no value of the program"),
 ])
 def test_malformed_program_is_rejected(text, message):
     with pytest.raises(ValueError, match=message):
