@@ -162,7 +162,8 @@ std::shared_ptr<const ParsedProgram> parse_program(const std::string& text) {
   for (const std::string& item : split(text, ';')) {
     if (item.empty()) continue;
     const size_t open = item.find('(');
-    const OpInfo* op = open == std::string::npos ? nullptr : find_op(trim(item.substr(0, open)));
+    const std::string name = open == std::string::npos ? "" : trim(item.substr(0, open));
+    const OpInfo* op = name.empty() ? nullptr : find_op(name);
     if (op == nullptr || item.back() != ')') {
       program->error = "unknown instruction '" + item + "'";
       return program;
@@ -187,6 +188,11 @@ std::shared_ptr<const ParsedProgram> parse_program(const std::string& text) {
         return program;
       }
       (is_operand ? instruction.operands : instruction.attrs).push_back(token);
+    }
+    const bool in_place = name.back() == '_';
+    if (in_place && (instruction.operands.empty() || instruction.operands[0].kind != Token::Value)) {
+      program->error = "in-place '" + item + "' changes no value of the program";  // the reference raises
+      return program;
     }
     program->instructions.push_back(std::move(instruction));
   }

@@ -673,6 +673,15 @@ def test_an_in_place_instruction_runs_the_kernels_as_its_op(caplog):
     assert_close_to_reference(out, x, weight, bias, params, "add(%0,$0);relu(%1)", BOUNDS["fp32"])
 
 
+@pytest.mark.parametrize("program", ["sub_(2.0,%0)", "add_($0,%0)"])
+def test_an_in_place_instruction_that_changes_no_value_raises_the_references_error(program):
+    """program.py refuses an in-place instruction whose first operand is no value of the program; the binder read
+    `sub_(2.0,%0)` as `sub` and computed it."""
+    x, weight, bias = linear_inputs(8, 16, 30, torch.float32)
+    with pytest.raises(ValueError, match="changes no value"):
+        torch.ops.fxfuse.gemm_epilogue(x, weight, bias, [torch.randn(30, device="cuda")], program)
+
+
 def test_errors_are_eager_errors():
     x, weight, bias = linear_inputs(8, 16, 30, torch.float32)
     params = [torch.randn(30, device="cuda"), torch.randn(30, device="cuda")]
