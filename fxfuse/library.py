@@ -177,11 +177,19 @@ def _flat_needs(ctx) -> list[bool]:
     return [*ctx.needs_input_grad[:3], *ctx.needs_input_grad[3]]
 
 
+def _kept(t):
+    """`t` as saved for the backward: an inference tensor (made under ``torch.inference_mode``) can't be saved, where
+    eager's op that reads it may keep nothing of it (``h + y``, a frozen linear's input): its copy is."""
+    return t.clone() if t is not None and t.is_inference() else t
+
+
 def _setup_context(ctx, inputs, output):
     x, weight, bias, params, program = inputs[:5]
     ctx.program = program
     ctx.num_inputs = len(inputs)
-    ctx.save_for_backward(x, weight, bias, *params)
+    # What eager's linear keeps (x for the weight's gradient, the weight for x's) is kept as it is, to raise as there.
+    ctx.save_for_backward(x if weight.requires_grad else _kept(x), weight if x.requires_grad else _kept(weight),
+                          _kept(bias), *map(_kept, params))
 
 
 def _backward(ctx, grad_output):
@@ -199,7 +207,7 @@ def _setup_train_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # gemm_out's gradient is mostly undefined: no zeros tensor for it
     ctx.linear_dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
     needs_x, needs_weight = x.requires_grad, weight.requires_grad
-    ctx.save_for_backward(x if needs_weight else None, weight if needs_x else None, output[1], *params)
+    ctx.save_for_backward(x if needs_weight else None, weight if needs_x else None, output[1], *map(_kept, params))
 
 
 def _linear_gradients(grad_y, x, weight, needs, dtypes):

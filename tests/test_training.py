@@ -547,3 +547,34 @@ def test_optimize_leaves_a_parametrized_weights_state_as_it_was():
     for (name, mine), theirs in zip(model.named_buffers(), reference.buffers()):
         assert torch.equal(mine, theirs), name
     assert_close_report(optimized(x), reference(x))
+
+
+class _AddsAnInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 8)
+        self.ln = nn.LayerNorm(8)
+
+    def forward(self, x, y):
+        return self.ln(torch.nn.functional.silu(self.fc(x) + y))
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("made_in_inference_mode", ["x", "y"])
+def test_an_inference_tensor_that_eager_does_not_save_trains(mode, made_in_inference_mode):
+    """A tensor made under torch.inference_mode can't be saved for the backward: eager's add keeps nothing of y, nor
+    a frozen linear of x, so eager trains; the fused op keeps its copy instead of raising."""
+    torch.manual_seed(0)
+    model = _AddsAnInput().train(mode == "train")
+    model.fc.weight.requires_grad_(False)
+    eager = copy.deepcopy(model)
+    optimized = fxfuse.optimize(model, (torch.randn(4, 6), torch.randn(4, 8)))
+    assert fused_op_count(optimized) == 1
+    with torch.inference_mode():
+        inputs = {"x": torch.randn(4, 6), "y": torch.randn(4, 8)}
+    inputs = [t if name == made_in_inference_mode else t.clone() for name, t in inputs.items()]
+    eager(*inputs).pow(2).sum().backward()
+    optimized(*inputs).pow(2).sum().backward()
+    for (name, p_eager), p_fused in zip(eager.named_parameters(), model.parameters()):
+        if p_eager.requires_grad:
+            assert_close_report(p_fused.grad, p_eager.grad, rtol=1e-4, atol=1e-5, what=f"{name}'s gradient")
