@@ -117,6 +117,10 @@ bool any_of(const c10::List<bool>& flags, size_t begin, size_t end) {
   return false;
 }
 
+// `t` as saved for the backward (library.py::_kept): an inference tensor (made under torch.inference_mode) can't
+// be saved, where eager's op that reads it may keep nothing of it (`h + y`, a frozen linear's input): its copy is.
+at::Tensor kept(const at::Tensor& t) { return t.defined() && t.is_inference() ? t.clone() : t; }
+
 // What backward returns: one entry per forward argument (x, weight, bias, each param, program), each flagged
 // gradient in the order of `grads`, the rest undefined.
 variable_list by_argument(const c10::List<bool>& needs, const Tensors& grads) {
@@ -189,7 +193,7 @@ struct GemmEpilogueTrain : torch::autograd::Function<GemmEpilogueTrain> {
     // x is read only for weight's gradient, weight only for x's.
     variable_list saved{weight.requires_grad() ? x : at::Tensor(), x.requires_grad() ? weight : at::Tensor(),
                         gemm_out};
-    saved.insert(saved.end(), params.begin(), params.end());
+    for (const at::Tensor& p : params) saved.push_back(kept(p));
     ctx->save_for_backward(saved);
     return {out, gemm_out};
   }
@@ -223,8 +227,10 @@ struct GemmEpilogue : torch::autograd::Function<GemmEpilogue> {
                             const std::optional<at::Tensor>& bias, at::TensorList params, c10::string_view program) {
     const at::Tensor out = inference_below_autograd(x, weight, bias, params, program);
     ctx->saved_data["program"] = std::string(program);
-    variable_list saved{x, weight, bias.has_value() ? *bias : at::Tensor()};
-    saved.insert(saved.end(), params.begin(), params.end());
+    // What eager's linear keeps (x for the weight's gradient, the weight for x's) is kept as it is, to raise as there.
+    variable_list saved{weight.requires_grad() ? x : kept(x), x.requires_grad() ? weight : kept(weight),
+                        bias.has_value() ? kept(*bias) : at::Tensor()};
+    for (const at::Tensor& p : params) saved.push_back(kept(p));
     ctx->save_for_backward(saved);
     return out;
   }

@@ -19,7 +19,8 @@ TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))
 from test_autocast import TAILS, _check_under_autocast, _model  # noqa: E402
 from test_opcheck import make_args, programs  # noqa: E402
-from test_training import check_second_order_gradients  # noqa: E402
+from test_training import (check_an_inference_tensor_that_eager_does_not_save_trains,  # noqa: E402
+                           check_second_order_gradients)
 
 OPS = {"gemm_epilogue": torch.ops.fxfuse.gemm_epilogue, "gemm_epilogue_train": torch.ops.fxfuse.gemm_epilogue_train}
 
@@ -135,8 +136,15 @@ def check_autocast() -> None:
                 assert_close_report(fused, eager, rtol=2e-2, atol=2e-2, what=f"{name}: {what}'s gradient")
 
 
+def check_inference_tensors() -> None:
+    """A tensor made under inference_mode that eager's ops would not save is kept as its copy."""
+    for mode, made in itertools.product(["train", "eval"], ["x", "y"]):
+        check_an_inference_tensor_that_eager_does_not_save_trains(mode, made)
+
+
 CHECKS = {"node": check_node, "gradients": check_gradients, "second-order": check_second_order,
-          "compiled-autograd": check_compiled_autograd, "autocast": check_autocast}
+          "compiled-autograd": check_compiled_autograd, "autocast": check_autocast,
+          "inference-tensors": check_inference_tensors}
 
 if __name__ == "__main__":
     load(sys.argv[1])

@@ -24,7 +24,8 @@ def build_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("cpp_autograd_cpu")
 
 
-@pytest.mark.parametrize("check", ["node", "gradients", "second-order", "compiled-autograd", "autocast"])
+@pytest.mark.parametrize("check", ["node", "gradients", "second-order", "compiled-autograd", "autocast",
+                                   "inference-tensors"])
 def test_cpp_autograd_formula_on_the_cpu(build_dir, check):
     run = subprocess.run([sys.executable, str(CHECKS_SCRIPT), str(build_dir), check], capture_output=True,
                          text=True, timeout=600)

@@ -564,6 +564,11 @@ class _AddsAnInput(nn.Module):
 def test_an_inference_tensor_that_eager_does_not_save_trains(mode, made_in_inference_mode):
     """A tensor made under torch.inference_mode can't be saved for the backward: eager's add keeps nothing of y, nor
     a frozen linear of x, so eager trains; the fused op keeps its copy instead of raising."""
+    check_an_inference_tensor_that_eager_does_not_save_trains(mode, made_in_inference_mode)
+
+
+def check_an_inference_tensor_that_eager_does_not_save_trains(mode, made_in_inference_mode):
+    """(Also run over the C++ autograd formulas by tests/cpp_autograd_checks.py.)"""
     torch.manual_seed(0)
     model = _AddsAnInput().train(mode == "train")
     model.fc.weight.requires_grad_(False)
