@@ -117,6 +117,35 @@ def require_settings(x, module: nn.Module, path: str, settings: dict, kind: str)
                                "run fxfuse.optimize() on the model again")
 
 
+# The GEMM spellings a forward argument can be the input of, by the name require_tensor takes.
+_GEMM_CALLS = {"linear": torch.nn.functional.linear, "matmul": torch.matmul, "@": operator.matmul, "mm": torch.mm,
+               "addmm": lambda x, weight: torch.addmm(weight, x, weight)}
+
+
+def require_tensor(x, gemm: str) -> None:
+    """Called by optimize()'s rewritten graphs first where a forward argument is a fused GEMM's input: for anything
+    but a tensor (None, a list, a number), eager's own error, raised by the GEMM as the model spells it (`gemm`: a
+    key of _GEMM_CALLS, or `.name` for a method of x) on an empty weight; the guards after it would read x.dim()."""
+    if isinstance(x, torch.Tensor):
+        return
+    weight = torch.empty(0, 0)
+    if gemm.startswith("."):
+        getattr(x, gemm[1:])(weight)
+    else:
+        _GEMM_CALLS[gemm](x, weight)
+    raise TypeError(f"{gemm}: the input must be a tensor, not {type(x).__name__}")  # (eager's op raised above)
+
+
+def _gemm_spelling(anchor: fx.Node) -> str:
+    """How the model spelled its GEMM, as require_tensor names it (a Linear module, F.linear and the rest: linear)."""
+    if anchor.op == "call_method":
+        return "." + anchor.target
+    if anchor.op == "call_function":
+        return {operator.matmul: "@", torch.matmul: "matmul", torch.mm: "mm", torch.addmm: "addmm"}.get(anchor.target,
+                                                                                                         "linear")
+    return "linear"
+
+
 def require_matrix(x: torch.Tensor, op: str = "mm") -> None:
     """Called by rewritten graphs before a fused op whose GEMM was torch.mm or addmm (`op`): eager's error for an
     input that is no matrix (the fused op itself takes any leading dims), raised by that op itself on empty tensors
@@ -198,7 +227,7 @@ def _maybe_number(node, shapes_guarded: bool) -> bool:
 
 
 # What a rewritten graph calls beside its fused ops.
-GRAPH_HELPERS = (require_eval_mode, require_settings, require_matrix, require_rank, require_dtype,
+GRAPH_HELPERS = (require_tensor, require_eval_mode, require_settings, require_matrix, require_rank, require_dtype,
                  require_no_function_transform, number_as_tensor, augmented_assignment)
 
 
@@ -214,6 +243,8 @@ def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool,
     last = max((m for m in region.members if m.users or not set(m.all_input_nodes) <= members), key=position.get)
     after = last.next
     with graph.inserting_before(after):
+        if isinstance(region.x, fx.Node) and region.x.op == "placeholder" and not shapes_guarded:
+            graph.call_function(require_tensor, (region.x, _gemm_spelling(region.anchor)))
         # The region relied on these modules' mode and settings: a later .train() or change must not go unnoticed.
         for member in region.members:
             if member.op != "call_module":

@@ -2358,3 +2358,33 @@ def test_a_number_where_the_example_input_was_a_tensor_computes_as_eager(number)
     result = optimized(x, number)
     assert result.dtype == expected.dtype
     assert_close_report(result, expected)
+
+
+class GemmSpelledAs(nn.Module):
+    """The GEMM as the model spells it, then a group norm and a relu."""
+    def __init__(self, spelling):
+        super().__init__()
+        self.fc, self.norm, self.spelling = nn.Linear(IN, OUT), nn.GroupNorm(4, OUT), spelling
+
+    def forward(self, x):
+        weight = self.fc.weight.t()
+        h = {"module": lambda: self.fc(x), "torch.matmul": lambda: torch.matmul(x, weight),
+             "@": lambda: x @ weight, "torch.mm": lambda: torch.mm(x, weight),
+             "Tensor.matmul": lambda: x.matmul(weight)}[self.spelling]()
+        return torch.relu(self.norm(h))
+
+
+@pytest.mark.parametrize("example_inputs", [True, False], ids=["example inputs", "none"])
+@pytest.mark.parametrize("bad", [None, [[1.0] * IN] * BATCH, 3.0], ids=["None", "a list", "a float"])
+@pytest.mark.parametrize("spelling", ["module", "torch.matmul", "@", "torch.mm", "Tensor.matmul"])
+def test_an_input_that_is_no_tensor_raises_eagers_own_error(spelling, bad, example_inputs):
+    """The guards before the fused op read x.dim(): AttributeError ('NoneType' object has no attribute 'dim') where
+    eager's GEMM raises its own TypeError (or, for a method, its AttributeError)."""
+    model = GemmSpelledAs(spelling).eval()
+    optimized = fxfuse.optimize(model, (rows(),) if example_inputs else None)
+    assert fused_op_count(optimized) == 1
+    with pytest.raises(Exception) as eager:
+        model(bad)
+    with pytest.raises(type(eager.value)) as fused:
+        optimized(bad)
+    assert str(fused.value).splitlines()[0] == str(eager.value).splitlines()[0]
