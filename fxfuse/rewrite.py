@@ -149,15 +149,10 @@ def _gemm_spelling(anchor: fx.Node) -> str:
 def require_matrix(x: torch.Tensor, op: str = "mm") -> None:
     """Called by rewritten graphs before a fused op whose GEMM was torch.mm or addmm (`op`): eager's error for an
     input that is no matrix (the fused op itself takes any leading dims), raised by that op itself on empty tensors
-    of x's rank, dtype and device (its meta kernel words it otherwise)."""
-    if isinstance(x, torch.Tensor) and x.dim() == 2:
+    of x's rank, dtype and device (its meta kernel words it otherwise). x is a tensor: require_tensor came first."""
+    if x.dim() == 2:
         return
-    stand_in = x.new_empty((0,) * x.dim()) if isinstance(x, torch.Tensor) else x
-    empty = x.new_empty((0, 0)) if isinstance(x, torch.Tensor) else torch.empty(0, 0)
-    if op == "addmm":
-        torch.addmm(empty.new_empty(0), stand_in, empty)
-    else:
-        torch.mm(stand_in, empty)
+    _GEMM_CALLS[op](x.new_empty((0,) * x.dim()), x.new_empty((0, 0)))
     raise RuntimeError(f"{op}: the input must be a matrix")  # (eager's op raised above)
 
 
