@@ -3,7 +3,8 @@ for the GPU unless it syncs), eager against fxfuse; and whether the caching allo
 
 Usage: python dev/step_host_probe.py [examples/NAME.py]   (default: the hardtanh example)
 Each line: host µs per call, the median over 3 rounds of the mean of 20 calls queued behind a 300 ms spin. A line
-near 15000 µs (the spin over the calls) means the call waited for the GPU.
+near 15000 µs (the spin over the calls) means the call waited for the GPU. The last two lines split the bench's
+step (eager's, fxfuse's) into its parts, each timed inside the step: zero_grad, forward, sum, backward, optimizer.
 """
 import statistics
 import sys
@@ -98,3 +99,35 @@ with torch.enable_grad():
         host, segments = behind_spin_us(fn)
         print(f"  {name:30s} {host:9.1f}   new cudaMalloc segments: {segments}")
 print(f"program: {program}")
+
+
+def step_parts_us(forward, params) -> dict:
+    """Host µs of each part of a bench training step, summed over CALLS steps queued behind a spin."""
+    optimizer = torch.optim.SGD(params, lr=1e-7)
+    parts = {"zero_grad": 0.0, "forward": 0.0, "sum": 0.0, "backward": 0.0, "optimizer step": 0.0}
+
+    def timed(name, fn):
+        start = time.perf_counter()
+        result = fn()
+        parts[name] += time.perf_counter() - start
+        return result
+
+    for rounds in range(4):
+        if rounds == 1:
+            parts = dict.fromkeys(parts, 0.0)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(spin_cycles)
+        for _ in range(CALLS):
+            timed("zero_grad", lambda: optimizer.zero_grad(set_to_none=True))
+            out = timed("forward", lambda: forward(*inputs))
+            loss = timed("sum", out.sum)
+            timed("backward", loss.backward)
+            timed("optimizer step", optimizer.step)
+    torch.cuda.synchronize()
+    return {name: total / (3 * CALLS) * 1e6 for name, total in parts.items()}
+
+
+with torch.enable_grad():
+    for name, forward in (("eager", model), ("fxfuse", optimized)):
+        parts = step_parts_us(forward, list(model.parameters()))
+        print(f"  {name} step parts: " + ", ".join(f"{part} {us:.1f}" for part, us in parts.items()))
