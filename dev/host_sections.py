@@ -3,7 +3,14 @@
 bf16, at full size, queued behind GPU spins so that no call waits for the GPU. The patched kernels print one
 `TIMER` line per 100 calls of each timed function (µs per call by section); of each pair, the second is warm.
 
-Usage (on the device, kernels patched): python dev/host_sections.py [examples/NAME.py]
+Usage (on the device, from the repository root):
+  mkdir -p /tmp/tp && cp dev/variants/100_host_timer.h /tmp/tp/timer.h
+  (cd kernels && patch -p1 < ../dev/variants/100_host_section_timers.patch)
+  python dev/host_sections.py [examples/NAME.py] 2>&1 | grep -E "TIMER|=="
+Sections: gemm 0 describe, 1 handle and y's at::empty, 2 algorithm lookup, 3 workspace, 4 cublasLtMatmul; forward
+op 0 checks, 1 program lookup, 2 bind, 3 layout, 4 gemm, 5 row setup, 6 tail, 7 launch; epilogue_backward 0 checks,
+1 program lookup, 2 bind, 3 layout and the tail's sums, 4 the row program, 5 the grid and the gradient buffers, 6
+grad_gemm_out's at::empty_like, 7 the launch, 8 the summed grads' finish, 9 the returned list.
 """
 import sys
 from pathlib import Path
