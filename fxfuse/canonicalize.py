@@ -159,17 +159,20 @@ def _leaky_relu(a, inplace):
                      inplace_of=_inplace(a, inplace))
 
 
-@spelling("(input, alpha=1.0, inplace=False)", functions=(F.elu,), inplace_functions=(F.elu_,))
+@spelling("(input, alpha=1.0, inplace=False)", functions=(F.elu,))
 def _elu(a, inplace):
     attrs = {"alpha": _number(a["alpha"], "elu's alpha"), "scale": 1.0, "input_scale": 1.0}
     return Canonical("elu", (a["input"],), attrs, inplace_of=_inplace(a, inplace))
 
 
-@spelling("(input, alpha=1, scale=1, input_scale=1)", functions=(torch.ops.aten.elu, torch.ops.aten.elu.default))
+@spelling("(input, alpha=1, scale=1, input_scale=1)",
+          functions=(torch.ops.aten.elu, torch.ops.aten.elu.default, torch._C._nn.elu),
+          inplace_functions=(F.elu_,))
 def _aten_elu(a, inplace):
-    # The general form, which elu's reference (fxfuse.epilogue) calls.
+    # The general form, which elu's reference (fxfuse.epilogue) calls. F.elu_ is torch._C._nn.elu_, this form in
+    # place: its third positional argument is scale, not F.elu's inplace.
     attrs = {name: _number(a[name], f"elu's {name}") for name in ("alpha", "scale", "input_scale")}
-    return Canonical("elu", (a["input"],), attrs)
+    return Canonical("elu", (a["input"],), attrs, inplace_of=_inplace(a, inplace))
 
 
 @spelling("(input, inplace=False)", functions=(F.selu, torch.selu), inplace_functions=_optional("selu_"))
