@@ -125,7 +125,7 @@ _unary("exp", (torch.exp,), _optional("exp_"), ("exp",))
 _unary("log", (torch.log,), _optional("log_"), ("log",))
 _unary("rsqrt", (torch.rsqrt,), _optional("rsqrt_"), ("rsqrt",))
 _unary("abs", (torch.abs, torch.absolute, operator.abs), _optional("abs_"), ("abs", "absolute"))
-_unary("neg", (torch.neg, torch.negative, operator.neg), _optional("neg_"), ("neg", "negative"))
+_unary("neg", (torch.neg, torch.negative, operator.neg), _optional("neg_", "negative_"), ("neg", "negative"))
 
 
 @spelling("(input, *, memory_format=None)", methods=("contiguous",))

@@ -182,6 +182,7 @@ POINTWISE = [
     case("torch.neg", "neg", lambda m, x, y: torch.neg(m.fc(x))),
     case("torch.negative", "neg", lambda m, x, y: torch.negative(m.fc(x))),
     case("Tensor.neg_", "neg", lambda m, x, y: m.fc(x).neg_()),
+    case("torch.negative_", "neg", lambda m, x, y: torch.negative_(m.fc(x))),
     case("x**2", "pow", lambda m, x, y: m.fc(x) ** 2),
     case("x**0.5", "pow", lambda m, x, y: m.fc(x).abs() ** 0.5),
     case("torch.pow", "pow", lambda m, x, y: torch.pow(m.fc(x), 3)),
