@@ -102,8 +102,13 @@ def spelling(signature: str, functions=(), methods=(), inplace_functions=(), inp
     return register
 
 
-def _optional(*names):
-    return tuple(f for f in (getattr(torch, n, None) for n in names) if f is not None)
+def _optional(*names, module=torch):
+    return tuple(f for f in (getattr(module, n, None) for n in names) if f is not None)
+
+
+def _nn(*names):
+    """torch._C._nn's builtins of these names (F's Python functions call them), those this torch has."""
+    return _optional(*names, module=torch._C._nn)
 
 
 def _unary(op: str, fns=(), inplace_fns=(), methods=(), signature="(input, inplace=False)", **attrs):
@@ -115,12 +120,12 @@ def _unary(op: str, fns=(), inplace_fns=(), methods=(), signature="(input, inpla
 
 
 _unary("relu", (F.relu, torch.relu), (F.relu_, torch.relu_), ("relu",))
-_unary("silu", (F.silu,))
-_unary("mish", (F.mish,))
+_unary("silu", (F.silu, *_nn("silu")), _nn("silu_"))
+_unary("mish", (F.mish, *_nn("mish")), _nn("mish_"))
 _unary("sigmoid", (torch.sigmoid, F.sigmoid, torch.special.expit), _optional("sigmoid_"), ("sigmoid",))
 _unary("tanh", (torch.tanh, F.tanh), _optional("tanh_"), ("tanh",))
-_unary("hardswish", (F.hardswish,))
-_unary("hardsigmoid", (F.hardsigmoid,))
+_unary("hardswish", (F.hardswish, *_nn("hardswish")), _nn("hardswish_"))
+_unary("hardsigmoid", (F.hardsigmoid, *_nn("hardsigmoid")), _nn("hardsigmoid_"))
 _unary("exp", (torch.exp,), _optional("exp_"), ("exp",))
 _unary("log", (torch.log,), _optional("log_"), ("log",))
 _unary("rsqrt", (torch.rsqrt,), _optional("rsqrt_"), ("rsqrt",))
@@ -147,12 +152,12 @@ def _softplus(a, inplace):
     return Canonical("softplus", (a["input"],), attrs)
 
 
-@spelling("(input, approximate='none')", functions=(F.gelu,))
+@spelling("(input, approximate='none')", functions=(F.gelu,), inplace_functions=_nn("gelu_"))
 def _gelu(a, inplace):
-    return Canonical("gelu", (a["input"],), {"approximate": a["approximate"]})
+    return Canonical("gelu", (a["input"],), {"approximate": a["approximate"]}, inplace_of=_inplace(a, inplace))
 
 
-@spelling("(input, negative_slope=0.01, inplace=False)", functions=(F.leaky_relu,),
+@spelling("(input, negative_slope=0.01, inplace=False)", functions=(F.leaky_relu, *_nn("leaky_relu")),
           inplace_functions=(F.leaky_relu_,))
 def _leaky_relu(a, inplace):
     return Canonical("leaky_relu", (a["input"],), {"negative_slope": _number(a["negative_slope"], "leaky_relu's slope")},
@@ -246,13 +251,13 @@ def _hardtanh_canonical(a, inplace, low, high):
     return Canonical("hardtanh", (a["input"],), {"min_val": low, "max_val": high}, inplace_of=_inplace(a, inplace))
 
 
-@spelling("(input, min_val=-1.0, max_val=1.0, inplace=False)", functions=(F.hardtanh,),
+@spelling("(input, min_val=-1.0, max_val=1.0, inplace=False)", functions=(F.hardtanh, *_nn("hardtanh")),
           inplace_functions=(F.hardtanh_,))
 def _hardtanh(a, inplace):
     return _hardtanh_canonical(a, inplace, a["min_val"], a["max_val"])
 
 
-@spelling("(input, inplace=False)", functions=(F.relu6,))
+@spelling("(input, inplace=False)", functions=(F.relu6, *_nn("relu6")), inplace_functions=_nn("relu6_"))
 def _relu6(a, inplace):
     return _hardtanh_canonical(a, inplace, 0.0, 6.0)
 

@@ -56,6 +56,10 @@ def inplace_pow(m, x, y):
     return h
 
 
+def linear_then(fn):
+    return lambda m, x, y: fn(m.fc(x))
+
+
 POINTWISE = [
     # relu
     case("nn.ReLU", "relu", lambda m, x, y: m.act(m.fc(x)), act=nn.ReLU()),
@@ -67,6 +71,18 @@ POINTWISE = [
     case("torch.relu_", "relu", lambda m, x, y: torch.relu_(m.fc(x))),
     case("Tensor.relu", "relu", lambda m, x, y: m.fc(x).relu()),
     case("Tensor.relu_", "relu", lambda m, x, y: m.fc(x).relu_()),
+    # torch._C._nn's builtins, which F's Python functions call (F.relu_, F.elu_, F.gelu and F.softplus are some)
+    case("torch._C._nn.silu", "silu", linear_then(lambda h: torch._C._nn.silu(h))),
+    case("torch._C._nn.silu_", "silu", linear_then(lambda h: torch._C._nn.silu_(h))),
+    case("torch._C._nn.mish_", "mish", linear_then(lambda h: torch._C._nn.mish_(h))),
+    case("torch._C._nn.hardswish", "hardswish", linear_then(lambda h: torch._C._nn.hardswish(h * 4))),
+    case("torch._C._nn.hardsigmoid_", "hardsigmoid", linear_then(lambda h: torch._C._nn.hardsigmoid_(h * 4))),
+    case("torch._C._nn.leaky_relu", "leaky_relu(%0,0.2)", linear_then(lambda h: torch._C._nn.leaky_relu(h, 0.2))),
+    case("torch._C._nn.hardtanh", "hardtanh(%0,-0.5,0.5)",
+         linear_then(lambda h: torch._C._nn.hardtanh(h, -0.5, 0.5))),
+    case("torch._C._nn.relu6", "hardtanh(%1,0.0,6.0)", linear_then(lambda h: torch._C._nn.relu6(h * 4))),
+    case("torch._C._nn.relu6_", "hardtanh(%1,0.0,6.0)", linear_then(lambda h: torch._C._nn.relu6_(h * 4))),
+    case("torch._C._nn.gelu_", "gelu(%0,'tanh')", linear_then(lambda h: torch._C._nn.gelu_(h, approximate="tanh"))),
     # relu6 is hardtanh; hardtanh computes clamp's values with its own gradient at the bounds
     case("nn.ReLU6", "hardtanh", lambda m, x, y: m.act(m.fc(x) * 4), act=nn.ReLU6()),
     case("nn.ReLU6-inplace", "hardtanh", lambda m, x, y: m.act(m.fc(x) * 4), act=nn.ReLU6(inplace=True)),
@@ -253,10 +269,6 @@ def test_pointwise_spelling_fuses(canonical, epilogue, extras):
     optimized = assert_whole_chain_fused(model, (torch.randn(BATCH, IN),))
     (program,) = fused_programs(optimized)
     assert canonical in program, f"expected {canonical} in {program}"
-
-
-def linear_then(fn):
-    return lambda m, x, y: fn(m.fc(x))
 
 
 NORMS = [
