@@ -626,7 +626,7 @@ def _matmul(a, matrix_input):
     return Canonical(LINEAR, (a["input"], a["other"], None), {"transpose_weight": True, **attrs})
 
 
-@spelling("(input, other)", functions=(torch.matmul, operator.matmul), methods=("matmul",))
+@spelling("(input, other)", functions=(torch.matmul, torch.linalg.matmul, operator.matmul), methods=("matmul",))
 def _matmul_any_rank(a, inplace):
     return _matmul(a, matrix_input=False)
 
