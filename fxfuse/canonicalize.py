@@ -636,7 +636,7 @@ def _mm(a, inplace):
     return _matmul(a, matrix_input=True)  # torch.mm takes matrices only
 
 
-@spelling("(input, mat1, mat2, beta=1, alpha=1)", functions=(torch.addmm,))
+@spelling("(input, mat1, mat2, beta=1, alpha=1)", functions=(torch.addmm,), methods=("addmm",))
 def _addmm(a, inplace):
     if a["beta"] != 1 or a["alpha"] != 1:  # a GEMM all the same: reported as a GEMM that can't be fused
         return Canonical(LINEAR, (a["mat1"], a["mat2"], None), {"transpose_weight": True},

@@ -49,10 +49,12 @@ ANCHORS = {
     "torch.addmm-W.t()": lambda m, x: torch.addmm(m.b, x, m.w.t()),
     "torch.addmm-W": lambda m, x: torch.addmm(m.b, x, m.w_in_out),
     "torch.addmm-kw": lambda m, x: torch.addmm(input=m.b, mat1=x, mat2=m.w.t()),
+    "Tensor.addmm": lambda m, x: m.b.addmm(x, m.w.t()),
     "torch.linalg.matmul": lambda m, x: torch.linalg.matmul(x, m.w_in_out),
     "torch.linalg.matmul-W.t()+b": lambda m, x: torch.linalg.matmul(x, m.w.t()) + m.b,
 }
-TWO_D_ONLY = {"torch.mm", "torch.mm-W.t()", "Tensor.mm", "torch.addmm-W.t()", "torch.addmm-W", "torch.addmm-kw"}
+TWO_D_ONLY = {"torch.mm", "torch.mm-W.t()", "Tensor.mm", "torch.addmm-W.t()", "torch.addmm-W", "torch.addmm-kw",
+              "Tensor.addmm"}
 
 
 @pytest.mark.parametrize("weights_as_buffers", [False, True], ids=["parameters", "buffers"])
