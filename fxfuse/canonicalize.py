@@ -312,18 +312,32 @@ def _group_norm(a, inplace):
                      {"num_groups": a["num_groups"], "eps": float(a["eps"])})
 
 
-def _last_dim_of(node: fx.Node) -> list[fx.Node] | None:
+def _last_dim_of(node: fx.Node) -> tuple[list[fx.Node], int | None] | None:
     """If `node` computes the size of some tensor's last dim as an int or a 1-long torch.Size
-    (`t.shape[-1:]`, `t.shape[-1]`, `t.size(-1)`, `t.size()[-1:]`), the nodes of that expression, last first."""
+    (`t.shape[-1:]`, `t.shape[-1]`, `t.size(-1)`, `t.size()[-1:]`, `t.size(dim=-1)`), or of a dim counted from the
+    front (`t.shape[1:]`, `t.size(1)`), the last at one rank only: the nodes of that expression, last first, and
+    that rank (None: any)."""
     def shape_of(source):
-        return (source.op == "call_function" and source.target is builtins.getattr and source.args[1] == "shape"
-                or source.op == "call_method" and source.target == "size" and len(source.args) == 1)
+        return isinstance(source, fx.Node) and (
+            source.op == "call_function" and source.target is builtins.getattr and source.args[1] == "shape"
+            or source.op == "call_method" and source.target == "size" and len(source.args) == 1 and not source.kwargs)
 
-    if node.op == "call_method" and node.target == "size" and node.args[1:] == (-1,):
-        return [node]
-    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node) \
-            and node.args[1] in (-1, slice(-1, None, None)) and shape_of(node.args[0]):
-        return [node, node.args[0]]
+    def last_at(dim):  # (whether `dim` is the last dim at some rank, that rank or None for every rank)
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < -1:
+            return False, None
+        return True, (None if dim == -1 else dim + 1)
+
+    if node.op == "call_method" and node.target == "size" and set(node.kwargs) <= {"dim"}:
+        dims = (*node.args[1:], *node.kwargs.values())
+        found, rank = last_at(dims[0]) if len(dims) == 1 else (False, None)
+        return ([node], rank) if found else None
+    if node.op == "call_function" and node.target is operator.getitem and shape_of(node.args[0]):
+        key = node.args[1]
+        if isinstance(key, slice):
+            found, rank = last_at(key.start) if key.stop is None and key.step is None else (False, None)
+        else:
+            found, rank = last_at(key)
+        return ([node, node.args[0]], rank) if found else None
     return None
 
 
@@ -334,12 +348,13 @@ def _normalized_size(normalized_shape) -> dict:
     return {"normalized_size": int(items[0])} if len(items) == 1 and isinstance(items[0], int) else {}
 
 
-def _last_dim_only(normalized_shape, input, what) -> tuple[fx.Node, ...]:
+def _last_dim_only(normalized_shape, input, what) -> tuple[tuple[fx.Node, ...], dict]:
     """Check that `normalized_shape` is the features alone. Return the nodes that compute it from `input`
-    (`input.shape[-1:]`), which the norm then stands for, so that they don't keep `input` alive."""
+    (`input.shape[-1:]`), which the norm then stands for, so that they don't keep `input` alive, and the attrs of
+    the rank it needs (`input.shape[1:]` is the features of a 2-D input only)."""
     int_valued = isinstance(normalized_shape, fx.Node) and (  # t.size(-1), t.shape[-1]
         normalized_shape.op == "call_method" and normalized_shape.target == "size"
-        or normalized_shape.target is operator.getitem and normalized_shape.args[1] == -1)
+        or normalized_shape.target is operator.getitem and isinstance(normalized_shape.args[1], int))
     if isinstance(normalized_shape, int) or int_valued:
         raise NotFusible(f"{what}'s normalized_shape is an int, not a sequence (eager raises)")
     items = [normalized_shape] if isinstance(normalized_shape, (int, fx.Node)) else list(normalized_shape)
@@ -349,10 +364,12 @@ def _last_dim_only(normalized_shape, input, what) -> tuple[fx.Node, ...]:
         raise NotFusible(f"{what}'s normalized_shape is computed in the graph")
     if len(items) != 1:
         raise NotFusible(f"{what} over {len(items)} dims, not the features alone")
-    if any(e[-1].args[0] is not input for e in expressions):
+    if any(nodes[-1].args[0] is not input for nodes, _ in expressions):
         raise NotFusible(f"{what}'s normalized_shape is the size of another tensor")
-    covers = [n for e in expressions for n in e]
-    return tuple(covers) if all(len(n.users) == 1 for n in covers) else ()
+    covers = [n for nodes, _ in expressions for n in nodes]
+    ranks = {rank for _, rank in expressions if rank is not None}
+    return (tuple(covers) if all(len(n.users) == 1 for n in covers) else (),
+            {"rank_needed": tuple(ranks)} if ranks else {})
 
 
 @spelling("(input, num_groups, weight=None, bias=None, eps=1e-05, cudnn_enabled=True)",
@@ -369,17 +386,17 @@ def _torch_layer_norm(a, inplace):
 
 @spelling("(input, normalized_shape, weight=None, bias=None, eps=1e-05)", functions=(F.layer_norm,))
 def _layer_norm(a, inplace):
-    covers = _last_dim_only(a["normalized_shape"], a["input"], "layer_norm")
-    attrs = {"eps": float(a["eps"]), **_normalized_size(a["normalized_shape"])}
+    covers, rank = _last_dim_only(a["normalized_shape"], a["input"], "layer_norm")
+    attrs = {"eps": float(a["eps"]), **_normalized_size(a["normalized_shape"]), **rank}
     return Canonical("layer_norm", (a["input"], a["weight"], a["bias"]), attrs, covers=covers)
 
 
 @spelling("(input, normalized_shape, weight=None, eps=None)", functions=(F.rms_norm, *_optional("rms_norm")))
 def _rms_norm(a, inplace):
-    covers = _last_dim_only(a["normalized_shape"], a["input"], "rms_norm")
+    covers, rank = _last_dim_only(a["normalized_shape"], a["input"], "rms_norm")
     eps = None if a["eps"] is None else float(a["eps"])
-    return Canonical("rms_norm", (a["input"], a["weight"]), {"eps": eps, **_normalized_size(a["normalized_shape"])},
-                     covers=covers)
+    return Canonical("rms_norm", (a["input"], a["weight"]),
+                     {"eps": eps, **_normalized_size(a["normalized_shape"]), **rank}, covers=covers)
 
 
 @spelling("(input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1, eps=1e-05)",

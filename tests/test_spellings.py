@@ -11,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from epilogue_models import BATCH, IN, OUT, GemmThen, assert_whole_chain_fused, fused_programs
+from fxfuse.testing import assert_not_fused
 
 
 def vector(n=OUT):
@@ -295,6 +296,11 @@ NORMS = [
     case("F.layer_norm-x.shape[-1:]", "layer_norm", linear_then(lambda h: F.layer_norm(h, h.shape[-1:]))),
     case("F.layer_norm-(x.size(-1),)", "layer_norm", linear_then(lambda h: F.layer_norm(h, (h.size(-1),)))),
     case("F.layer_norm-[x.shape[-1]]", "layer_norm", linear_then(lambda h: F.layer_norm(h, [h.shape[-1]]))),
+    case("F.layer_norm-x.shape[1:]", "layer_norm", linear_then(lambda h: F.layer_norm(h, h.shape[1:]))),
+    case("F.layer_norm-x.size()[1:]", "layer_norm", linear_then(lambda h: F.layer_norm(h, h.size()[1:]))),
+    case("F.rms_norm-(x.size(1),)", "rms_norm", linear_then(lambda h: F.rms_norm(h, (h.size(1),)))),
+    case("F.layer_norm-[x.shape[1]]", "layer_norm", linear_then(lambda h: F.layer_norm(h, [h.shape[1]]))),
+    case("F.layer_norm-[x.size(dim=-1)]", "layer_norm", linear_then(lambda h: F.layer_norm(h, [h.size(dim=-1)]))),
     case("F.rms_norm-x.size()[-1:]", "rms_norm", linear_then(lambda h: F.rms_norm(h, h.size()[-1:], eps=1e-6))),
     case("nn.RMSNorm", "rms_norm", lambda m, x, y: m.norm(m.fc(x)), norm=nn.RMSNorm(OUT)),
     case("nn.RMSNorm-eps", "rms_norm(%0,$0,1e-06)", lambda m, x, y: m.norm(m.fc(x)), norm=nn.RMSNorm(OUT, eps=1e-6)),
@@ -345,6 +351,14 @@ def test_instance_norm_of_each_row_of_a_3d_output_fuses():
     model = GemmThen(lambda m, x, y: F.instance_norm(m.fc(x), eps=1e-4))
     optimized = assert_whole_chain_fused(model, (torch.randn(2, 5, IN),))
     assert "layer_norm(%0,None,None,0.0001)" in fused_programs(optimized)[0]
+
+
+def test_layer_norm_over_the_shape_from_a_dim_on_is_the_features_only_at_that_rank():
+    """`h.shape[2:]` is the features of a 3-D value; of a 4-D one it is two dims, which eager normalizes together."""
+    model = GemmThen(linear_then(lambda h: F.layer_norm(h, h.shape[2:])))
+    optimized = assert_whole_chain_fused(model, (torch.randn(2, 5, IN),))
+    assert "layer_norm(%0,None,None,1e-05)" in fused_programs(optimized)[0]
+    assert_not_fused(model, (torch.randn(2, 3, 5, IN),), reason="takes only 3-D values here; the rank is 4")
 
 
 def max_values_unpacked(h):
