@@ -617,8 +617,15 @@ def _linear(a, inplace):
     return Canonical(LINEAR, (a["input"], a["weight"], a["bias"]), {"transpose_weight": False})
 
 
+_SWAPS = {torch.transpose: "(input, dim0, dim1)", torch.swapaxes: "(input, axis0, axis1)",
+          torch.swapdims: "(input, dim0, dim1)", "transpose": "(input, dim0, dim1)",
+          "swapaxes": "(input, axis0, axis1)", "swapdims": "(input, dim0, dim1)"}
+_MATRIX_DIMS = ((0, 1), (0, -1), (-2, 1), (-2, -1))  # the two dims of a matrix, as positive or negative indices
+
+
 def _transposed_weight(other):
-    """If `other` is `W.t()` (or `.T`, `transpose(0, 1)`, `permute(1, 0)`), return W."""
+    """If `other` is `W.t()` (or `.T`, `transpose(0, 1)`, `swapaxes`, `permute(1, 0)`, in any argument form),
+    return W."""
     if not isinstance(other, fx.Node):
         return None
     t, args = other.target, other.args
@@ -626,11 +633,20 @@ def _transposed_weight(other):
         return args[0]
     if other.op == "call_function" and t is builtins.getattr and args[1] in ("T", "mT"):
         return args[0]
-    if (other.op == "call_method" and t == "transpose" or other.op == "call_function" and t is torch.transpose) \
-            and set(args[1:3]) in ({0, 1}, {0, -1}, {-2, 1}, {-2, -1}) and args[1] != args[2]:
-        return args[0]
-    if other.op == "call_method" and t == "permute" and tuple(args[1:]) in ((1, 0),):
-        return args[0]
+    if other.op not in ("call_method", "call_function"):
+        return None
+    try:
+        if t in _SWAPS:
+            bound = _signature(_SWAPS[t]).bind(*args, **other.kwargs).arguments
+            dims = tuple(bound.values())[1:]
+            return bound["input"] if dims in _MATRIX_DIMS or dims[::-1] in _MATRIX_DIMS else None
+        if t == "permute" and other.op == "call_method" or t is torch.permute:
+            bound = _signature("(input, *dims)" if not other.kwargs else "(input, dims)").bind(*args, **other.kwargs)
+            dims = bound.arguments.get("dims", ())
+            dims = tuple(dims[0]) if len(dims) == 1 and isinstance(dims[0], (tuple, list)) else tuple(dims)
+            return bound.arguments["input"] if dims[::-1] in _MATRIX_DIMS else None
+    except (TypeError, ValueError):  # unhashable targets; arguments that no such call takes
+        return None
     return None
 
 
