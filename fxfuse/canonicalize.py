@@ -66,6 +66,7 @@ class NotFusible(Exception):
 _FUNCTIONS: dict[Any, tuple[inspect.Signature, Callable]] = {}
 _METHODS: dict[str, tuple[inspect.Signature, Callable]] = {}
 _INPLACE_FUNCTIONS: set = set()
+_INPLACE_METHODS: set = set()
 
 
 @functools.lru_cache(maxsize=None)
@@ -97,6 +98,7 @@ def spelling(signature: str, functions=(), methods=(), inplace_functions=(), inp
             _METHODS[name] = (sig, handler)
         for name in inplace_methods:
             _METHODS[name] = (sig, handler)
+            _INPLACE_METHODS.add(name)
         return handler
 
     return register
@@ -682,6 +684,23 @@ def _addmm(a, inplace):
     return Canonical(LINEAR, (a["mat1"], weight, None), {"transpose_weight": False, **attrs}, covers=covers)
 
 
+# ---------------------------------------------------------------- operator methods
+
+# Dynamo records an explicit `h.__add__(b)` as a call of that method (an fx trace records operator.add): the
+# spelling of its operator, in place for `__iadd__`, its operands swapped for `__radd__`.
+for _name, _function, _inplace_function in (
+        ("add", operator.add, operator.iadd), ("sub", operator.sub, operator.isub),
+        ("mul", operator.mul, operator.imul), ("truediv", operator.truediv, operator.itruediv),
+        ("div", operator.truediv, operator.itruediv), ("pow", operator.pow, operator.ipow)):
+    _METHODS[f"__{_name}__"] = _FUNCTIONS[_function]
+    _METHODS[f"__i{_name}__"] = _FUNCTIONS[_inplace_function]
+    _INPLACE_METHODS.add(f"__i{_name}__")
+for _name, _op in (("add", "add"), ("sub", "sub"), ("mul", "mul"), ("truediv", "div"), ("div", "div")):
+    _METHODS[f"__r{_name}__"] = (_signature("(input, other)"), _binary(_op, (), (), (), swap=True))
+for _name, _function in (("neg", operator.neg), ("abs", operator.abs), ("matmul", operator.matmul)):
+    _METHODS[f"__{_name}__"] = _FUNCTIONS[_function]
+
+
 # ---------------------------------------------------------------- modules, as their functional equivalent
 
 def _module_tensor(path: str, module: nn.Module, name: str):
@@ -870,7 +889,7 @@ def _spelled_op(node: fx.Node, gm: fx.GraphModule) -> Canonical | None:
     if entry is None:
         return None
     sig, handler = entry
-    inplace = target in _INPLACE_FUNCTIONS or (node.op == "call_method" and target.endswith("_"))
+    inplace = target in (_INPLACE_METHODS if node.op == "call_method" else _INPLACE_FUNCTIONS)
     if node.op == "call_method" or (node.op == "call_function" and isinstance(target, types.BuiltinFunctionType)):
         kwargs = _from_numpy_keywords(kwargs, sig)
     try:

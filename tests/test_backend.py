@@ -313,3 +313,36 @@ def test_the_users_global_inductor_post_pass_is_kept():
         assert "post_grad_custom_post_pass" not in options
     finally:
         inductor_config.post_grad_custom_post_pass = saved
+
+
+def _in_place_dunder(fc, b, x):
+    h = fc(x)
+    return h.__iadd__(b)
+
+
+# Dynamo records an explicit operator method as a call of that method (fx's trace as the operator's function).
+DUNDER_SPELLINGS = {
+    "h.__add__(b)": lambda fc, b, x: fc(x).__add__(b),
+    "h.__radd__(2)": lambda fc, b, x: fc(x).__radd__(2.0),
+    "h.__rsub__(2)": lambda fc, b, x: fc(x).__rsub__(2.0),
+    "torch.Tensor.__mul__(h,2)": lambda fc, b, x: torch.Tensor.__mul__(fc(x), 2.0),
+    "h.__rtruediv__(2)": lambda fc, b, x: fc(x).abs().__add__(1.0).__rtruediv__(2.0),
+    "h.__truediv__(3)": lambda fc, b, x: fc(x).__truediv__(3.0),
+    "h.__pow__(2)": lambda fc, b, x: fc(x).__pow__(2),
+    "h.__neg__()": lambda fc, b, x: fc(x).__neg__(),
+    "h.__abs__()": lambda fc, b, x: fc(x).__abs__(),
+    "h.__iadd__(b)": _in_place_dunder,
+    "x.__matmul__(W.t())+b": lambda fc, b, x: x.__matmul__(fc.weight.t()).__add__(b),
+}
+
+
+@pytest.mark.parametrize("name", list(DUNDER_SPELLINGS))
+def test_an_explicit_operator_method_in_dynamos_graph_fuses(name):
+    fc, b, x = nn.Linear(16, 32), torch.randn(32), torch.randn(4, 16)
+    spelling = DUNDER_SPELLINGS[name]
+    recorder = GraphRecorder()
+    with torch.no_grad():
+        expected = spelling(fc, b, x)
+        actual = torch.compile(spelling, backend=fxfuse.make_backend(inner=recorder))(fc, b, x)
+    assert_close_report(actual, expected)
+    assert recorder.targets() == [gemm_epilogue], recorder.graphs[-1].code
