@@ -701,6 +701,34 @@ for _name, _function in (("neg", operator.neg), ("abs", operator.abs), ("matmul"
     _METHODS[f"__{_name}__"] = _FUNCTIONS[_function]
 
 
+# ---------------------------------------------------------------- ops outside the vocabulary, in idioms
+
+# Idioms match the ops they use outside the vocabulary (torch.erf, torch.where, `>`) by target and position: their
+# other spellings, as the one the built-in idioms write.
+_PLAIN_FUNCTIONS = {torch.special.erf: torch.erf, torch.gt: operator.gt, torch.greater: operator.gt}
+_PLAIN_METHODS = {"erf": torch.erf, "gt": operator.gt, "greater": operator.gt}
+
+
+def plain_call(node: fx.Node) -> tuple[Any, tuple, dict] | None:
+    """A call outside the vocabulary as (target, args, kwargs) in one spelling: torch.special.erf and `h.erf()`
+    as torch.erf, torch.gt and `h.gt(0)` as `h > 0`, `a.where(c, b)` as torch.where(c, a, b); None if `node`
+    is no such call."""
+    args, kwargs = tuple(node.args), dict(node.kwargs)
+    if node.op == "call_method":
+        if node.target == "where" and len(args) == 3 and not kwargs:  # self is torch.where's second argument
+            return torch.where, (args[1], args[0], args[2]), {}
+        if node.target in _PLAIN_METHODS:
+            return _PLAIN_METHODS[node.target], args, kwargs
+    if node.op == "call_function":
+        try:
+            plain = _PLAIN_FUNCTIONS.get(node.target)
+        except TypeError:  # an unhashable target
+            plain = None
+        if plain is not None:
+            return plain, args, kwargs
+    return None
+
+
 # ---------------------------------------------------------------- modules, as their functional equivalent
 
 def _module_tensor(path: str, module: nn.Module, name: str):

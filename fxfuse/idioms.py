@@ -22,7 +22,7 @@ import networkx as nx
 import torch.fx as fx
 from networkx.algorithms.isomorphism import DiGraphMatcher
 
-from .canonicalize import Canonical, canonical_of
+from .canonicalize import Canonical, canonical_of, plain_call
 from .epilogue import EPILOGUE_OPS
 
 logger = logging.getLogger("fxfuse")
@@ -71,6 +71,9 @@ def _label(node: fx.Node, canon: dict[fx.Node, Canonical]):
     c = canon.get(node)
     if c is not None and c.problem is None:
         return ("op", c.op)
+    plain = plain_call(node)
+    if plain is not None:
+        return ("call_function", plain[0])
     if node.op in ("call_function", "call_method", "call_module"):
         return (node.op, node.target)
     return (node.op, None)
@@ -88,7 +91,8 @@ def _operands(node: fx.Node, canon) -> list:
     c = canon.get(node)
     if c is not None and c.problem is None:
         return list(c.operands)
-    return list(node.args) + [_Keyword(name, value) for name, value in node.kwargs.items()]
+    _, args, kwargs = plain_call(node) or (None, node.args, node.kwargs)
+    return list(args) + [_Keyword(name, value) for name, value in kwargs.items()]
 
 
 def _dag(nodes, canon, leave_out=()) -> nx.DiGraph:

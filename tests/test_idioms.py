@@ -51,6 +51,16 @@ BUILT_IN = {
         on_gemm(lambda h: 0.5 * h * (1 + torch.erf(h * 0.7071067811865476))), "gelu(%0,'none')"),
     "gelu-erf: .mul and 2 ** 0.5": (
         on_gemm(lambda h: h.mul(0.5).mul(1.0 + torch.erf(h / 2 ** 0.5))), "gelu(%0,'none')"),
+    "gelu-erf: the method (x / sqrt2).erf()": (
+        on_gemm(lambda h: h * 0.5 * (1.0 + (h / math.sqrt(2.0)).erf())), "gelu(%0,'none')"),
+    "gelu-erf: torch.special.erf": (
+        on_gemm(lambda h: 0.5 * h * (1.0 + torch.special.erf(h / math.sqrt(2.0)))), "gelu(%0,'none')"),
+    "leaky_relu via where, torch.gt": (on_gemm(lambda h: torch.where(torch.gt(h, 0), h, 0.2 * h)), "leaky_relu(%0,0.2)"),
+    "leaky_relu via where, h.greater(0)": (
+        on_gemm(lambda h: torch.where(h.greater(0), h, 0.2 * h)), "leaky_relu(%0,0.2)"),
+    "leaky_relu via the method h.where(h > 0, 0.1 * h)": (
+        on_gemm(lambda h: h.where(h > 0, 0.1 * h)), "leaky_relu(%0,0.1)"),
+    "elu via where, h.gt(0)": (on_gemm(lambda h: torch.where(h.gt(0), h, 0.7 * (h.exp() - 1))), "elu(%0,0.7,1.0,1.0)"),
     "leaky_relu via where, slope captured": (
         on_gemm(lambda h: torch.where(h > 0, h, 0.2 * h)), "leaky_relu(%0,0.2)"),
     "elu via where, alpha captured": (
@@ -178,6 +188,16 @@ def test_keyword_arguments_of_an_op_outside_the_vocabulary_are_not_positions(spe
     assert not any(op in program for program in fused_programs(optimized) for op in ("leaky_relu", "elu("))
     with torch.no_grad():
         fxfuse.testing.assert_close_report(optimized(x), model(x))
+
+
+def test_the_method_where_is_where_of_its_condition_self_and_other_only_by_position():
+    """`a.where(c, b)` is torch.where(c, a, b); with `other=` its operands are not read by position."""
+    for spelled in (lambda h: (h * 0.1).where(h > 0, h), lambda h: (h * 0.1).where(h > 0, other=h)):
+        model, x = GemmThen(on_gemm(spelled)), torch.randn(BATCH, IN)
+        optimized = fxfuse.optimize(model, (x,))
+        assert not any("leaky_relu" in program for program in fused_programs(optimized))
+        with torch.no_grad():
+            assert_close_report(optimized(x), model(x))
 
 
 def test_an_idiom_rooted_at_an_in_place_op_keeps_its_mutation_in_sight():
