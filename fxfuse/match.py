@@ -659,7 +659,9 @@ def find_region(gm: fx.GraphModule, anchor: fx.Node, canon, facts: Facts):
     misses = [NearMiss(anchor, node, reason) for node, reason in rejected.items()
               if node.op != "output" and not isinstance(reason, Boundary) and node not in kept]
     if best is None:
-        if len(growth.members) > 1:  # ops were admitted, but no prefix of them has a single output
+        if len(growth.members) > 1 and not growth.instructions:  # only no-ops (eval dropout, contiguous) follow
+            misses.insert(0, NearMiss(anchor, anchor, "no epilogue op follows the GEMM, only no-ops"))
+        elif len(growth.members) > 1:  # ops were admitted, but no prefix of them has a single output
             misses.insert(0, NearMiss(anchor, anchor, _escape_reason(growth)))
         if not misses:  # (a Boundary: another GEMM, the output, or an op an earlier GEMM's region took)
             taken = next((n for n in rejected if n.op == "call_function" and n.target in FUSED_OPS), None)

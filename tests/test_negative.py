@@ -385,6 +385,13 @@ def test_gemm_without_any_epilogue_is_left_alone():
     assert_not_fused(model, (rows(),), reason="no epilogue op follows the GEMM")
 
 
+@pytest.mark.parametrize("no_op", [nn.Dropout(0.1), nn.Identity()], ids=["eval-Dropout", "Identity"])
+def test_gemm_followed_by_no_ops_alone_is_left_alone_and_says_so(no_op):
+    """explain() said 'the region would have more than one output' for a GEMM followed by an eval-mode dropout."""
+    model = nn.Sequential(nn.Linear(IN, OUT), no_op).eval()
+    assert_not_fused(model, (rows(),), reason="no epilogue op follows the GEMM, only no-ops")
+
+
 def test_instance_norm_module_needs_known_rank():
     model = GemmThen(lambda m, x, y: m.norm(m.fc(x)), norm=nn.InstanceNorm1d(BATCH))
     optimized = fxfuse.optimize(model)  # no example inputs: the rank of the output is unknown
