@@ -218,6 +218,13 @@ class _Tracer(fx.Tracer):
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return _Proxy(node, self)
 
+    def create_arg(self, a: Any):
+        # A NumPy scalar (`h * np.float32(2)`, `torch.sum(h, np.int64(1))`) is recorded as the Python number eager's
+        # ops read it as; fx's trace raised NotImplementedError for those that are no Python number subclass.
+        if type(a).__module__ == "numpy" and type(a).__name__ != "ndarray" and hasattr(a, "item"):
+            a = a.item()
+        return super().create_arg(a)
+
     def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
         return isinstance(module, FusedGraphModule) or has_call_hooks(module) or \
             super().is_leaf_module(module, qualified_name)

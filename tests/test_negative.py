@@ -686,6 +686,22 @@ def test_numpy_scalar_operand_fuses_as_a_number():
     assert fused_programs(optimized) == [f"div(%0,{float(np.sqrt(OUT))!r});relu(%1)"]
 
 
+@pytest.mark.parametrize("spelling, program", [
+    ("h * np.float32(2)", "mul(%0,2.0)"),
+    ("torch.sum(h, np.int64(1))", "sum(%0,1,False)"),
+    ("F.group_norm(h, np.int64(4))", "group_norm(%0,None,None,4,1e-05)"),
+    ("h + np.bool_(True)", "add(%0,True)"),
+])
+def test_numpy_scalars_that_are_no_python_numbers_fuse_as_numbers(spelling, program):
+    """fx's trace raised NotImplementedError ('argument of type: numpy.float32') for NumPy scalars that are no
+    subclass of a Python number, and optimize() left the whole model unfused."""
+    np = pytest.importorskip("numpy")
+    epilogue = eval(f"lambda h: {spelling}", {"np": np, "torch": torch, "F": F})
+    model = GemmThen(lambda m, x, y: epilogue(m.fc(x)))
+    optimized = assert_whole_chain_fused(model, (rows(),))
+    assert fused_programs(optimized) == [program]
+
+
 def test_complex_scalar_is_not_fused():
     model = GemmThen(lambda m, x, y: torch.relu(m.fc(x)) * 1j)
     optimized = assert_fuses(model, (rows(),), regions=1)
