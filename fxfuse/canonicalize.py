@@ -182,6 +182,28 @@ def _aten_elu(a, inplace):
     return Canonical("elu", (a["input"],), attrs, inplace_of=_inplace(a, inplace))
 
 
+def _rrelu_in_eval(a, inplace):
+    """rrelu outside training is leaky_relu with the bounds' mean as its slope, as eager computes it."""
+    if a["training"] is not False:
+        raise NotFusible("rrelu in training mode draws a random slope for each element")
+    lower, upper = _number(a["lower"], "rrelu's lower"), _number(a["upper"], "rrelu's upper")
+    if not (math.isfinite(lower) and math.isfinite(upper) and lower <= upper):
+        raise NotFusible(f"rrelu's bounds {lower!r}, {upper!r} are not finite with lower <= upper (eager raises)")
+    return Canonical("leaky_relu", (a["input"],), {"negative_slope": (lower + upper) / 2},
+                     inplace_of=_inplace(a, inplace))
+
+
+@spelling("(input, lower=0.125, upper=0.3333333333333333, training=False, inplace=False)", functions=(F.rrelu,))
+def _rrelu(a, inplace):
+    return _rrelu_in_eval(a, inplace)
+
+
+@spelling("(input, lower=0.125, upper=0.3333333333333333, training=False, generator=None)",
+          functions=(torch.rrelu,), inplace_functions=(torch.rrelu_,))  # F.rrelu_ is torch.rrelu_
+def _torch_rrelu(a, inplace):
+    return _rrelu_in_eval(a, inplace)
+
+
 @spelling("(input, inplace=False)", functions=(F.selu, torch.selu), inplace_functions=_optional("selu_"))
 def _selu(a, inplace):
     attrs = {"alpha": 1.6732632423543772848170429916717, "scale": 1.0507009873554804934193349852946,
@@ -736,9 +758,9 @@ def _module_tensor(path: str, module: nn.Module, name: str):
 
 
 _KNOWN_MODULES = (nn.Linear, nn.ReLU, nn.SiLU, nn.Mish, nn.Hardswish, nn.Hardsigmoid, nn.SELU, nn.ReLU6, nn.Sigmoid,
-                  nn.Tanh, nn.Identity, nn.Hardtanh, nn.LeakyReLU, nn.ELU, nn.CELU, nn.GELU, nn.Softplus, nn.Softmax,
-                  nn.LogSoftmax, nn.Dropout, nn.AlphaDropout, nn.FeatureAlphaDropout, nn.GroupNorm, nn.LayerNorm,
-                  nn.BatchNorm1d, nn.InstanceNorm1d,
+                  nn.Tanh, nn.Identity, nn.Hardtanh, nn.LeakyReLU, nn.RReLU, nn.ELU, nn.CELU, nn.GELU, nn.Softplus,
+                  nn.Softmax, nn.LogSoftmax, nn.Dropout, nn.AlphaDropout, nn.FeatureAlphaDropout, nn.GroupNorm,
+                  nn.LayerNorm, nn.BatchNorm1d, nn.InstanceNorm1d,
                   *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))
 
 
@@ -788,6 +810,8 @@ def _module_call(module: nn.Module, path: str):
         return F.hardtanh, (module.min_val, module.max_val, module.inplace), {}
     if kind is nn.LeakyReLU:
         return F.leaky_relu, (module.negative_slope, module.inplace), {}
+    if kind is nn.RReLU:
+        return F.rrelu, (module.lower, module.upper, module.training, module.inplace), {}
     if kind in (nn.ELU, nn.CELU):
         return {nn.ELU: F.elu, nn.CELU: F.celu}[kind], (module.alpha, module.inplace), {}
     if kind is nn.GELU:

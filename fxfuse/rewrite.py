@@ -50,11 +50,11 @@ def _tensor_node(graph: fx.Graph, obj):
 def _behaves_differently_in_training(module: nn.Module) -> bool:
     if isinstance(module, nn.modules.dropout._DropoutNd):
         return module.p > 0
-    return isinstance(module, nn.modules.batchnorm._BatchNorm)
+    return isinstance(module, (nn.modules.batchnorm._BatchNorm, nn.RReLU))  # RReLU: random slopes in training
 
 
 def require_eval_mode(x, module: nn.Module, path: str) -> None:
-    """Called by rewritten graphs for each eval-mode Dropout or BatchNorm module folded into a fused op. `x`, the
+    """Called by rewritten graphs for each eval-mode Dropout, BatchNorm or RReLU module folded into a fused op. `x`, the
     fused op's input, is unused: an argument that is a proxy keeps the call in the graph when fx traces the code
     again (unpickling), which otherwise runs it once, then, and drops it."""
     if module.training:

@@ -1482,6 +1482,31 @@ def test_optimizing_an_optimized_model_keeps_its_mode_guard():
         twice(rows())
 
 
+def test_rrelu_in_training_mode_is_not_fused():
+    model = nn.Sequential(nn.Linear(IN, OUT), nn.RReLU()).train()
+    optimized = fxfuse.optimize(model, (rows(),))
+    assert not optimized.fxfuse_report.fused
+    assert_reason(optimized, "rrelu in training mode draws a random slope")
+
+
+def test_an_rrelu_module_fused_in_eval_mode_raises_in_train_mode():
+    """Its fused slope is eval mode's: in train mode eager draws random slopes (the optimized model ran eval's)."""
+    model = nn.Sequential(nn.Linear(IN, OUT), nn.RReLU(), nn.ReLU()).eval()
+    optimized = assert_whole_chain_fused(model, (rows(),))
+    model.train()
+    with pytest.raises(RuntimeError, match="was in eval mode when it was fused"):
+        optimized(rows())
+
+
+def test_rrelu_with_bounds_eager_refuses_is_not_fused_and_raises_as_eager():
+    model = GemmThen(lambda m, x, y: F.rrelu(m.fc(x), 0.5, 0.1))
+    optimized = fxfuse.optimize(model)
+    assert not optimized.fxfuse_report.fused
+    assert_reason(optimized, "not finite with lower <= upper (eager raises)")
+    with pytest.raises(RuntimeError, match="Lower bound should be less than or equal to the upper bound"):
+        optimized(rows())
+
+
 def test_an_optimized_child_keeps_its_guards_inside_an_optimized_parent():
     """The parent's trace ran the child's mode and settings checks once, at trace time, and kept none of them."""
     block = nn.Sequential(nn.Linear(IN, OUT), nn.Dropout(0.5), nn.ReLU()).eval()

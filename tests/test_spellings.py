@@ -111,6 +111,14 @@ POINTWISE = [
     case("Tensor.clamp_max_", "clamp", lambda m, x, y: m.fc(x).clamp_max_(-0.1)),
     case("torch.clamp_max", "clamp", lambda m, x, y: torch.clamp_max(m.fc(x), 0.2)),
     # leaky_relu
+    # rrelu outside training is leaky_relu with the bounds' mean as its slope
+    case("nn.RReLU-eval", f"leaky_relu(%0,{(1 / 8 + 1 / 3) / 2!r})", lambda m, x, y: m.act(m.fc(x)), act=nn.RReLU()),
+    case("nn.RReLU-bounds-inplace", "leaky_relu_(%1,0.25)", lambda m, x, y: m.act(m.fc(x) * 2),
+         act=nn.RReLU(0.1, 0.4, inplace=True)),
+    case("F.rrelu-training=False", "leaky_relu(%0,0.25)", linear_then(lambda h: F.rrelu(h, 0.1, 0.4, training=False))),
+    case("F.rrelu-defaults", "leaky_relu(%0,", linear_then(lambda h: F.rrelu(h))),
+    case("torch.rrelu", "leaky_relu(%0,0.25)", linear_then(lambda h: torch.rrelu(h, 0.1, 0.4))),
+    case("F.rrelu_", "leaky_relu_(%1,0.25)", linear_then(lambda h: F.rrelu_(h * 2, 0.1, 0.4))),
     case("nn.LeakyReLU", "leaky_relu", lambda m, x, y: m.act(m.fc(x)), act=nn.LeakyReLU()),
     case("nn.LeakyReLU-slope", "leaky_relu", lambda m, x, y: m.act(m.fc(x)), act=nn.LeakyReLU(0.2)),
     case("nn.LeakyReLU-kw-inplace", "leaky_relu", lambda m, x, y: m.act(m.fc(x)),
