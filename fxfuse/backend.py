@@ -119,9 +119,10 @@ def pin_traced_scalars(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> int
 
     Dynamo hands such a float (GroupNorm's eps, a LeakyReLU slope) over as a 0-d float64 tensor that the
     graph reads with ``.item()``. The fused op's program needs the number itself, so each read is replaced
-    by its value at compile time, and an in-graph check (``_assert_async``) makes a later call with another
-    value fail loudly instead of computing with a stale one. Only reads that feed ops of the fxfuse
-    vocabulary are pinned, and only of attributes (`_ATTRIBUTE_OF_A_LOCAL`): a float the caller passes
+    by its value at compile time, and its traced SymFloat is specialized, so that Dynamo guards on the value and
+    recompiles for another (as Inductor's trace of the check would make it do; an "eager" inner compiler traces
+    nothing); the in-graph check (``_assert_async``) stays, should a graph ever run with another value. Only
+    reads that feed ops of the fxfuse vocabulary are pinned, and only of attributes (`_ATTRIBUTE_OF_A_LOCAL`): a float the caller passes
     (`forward(x, scale)`, `cfg["scale"]`, `*args`) or a global changes from call to call and stays a traced value
     (the op that reads it is then not fused). So does the ``.item()`` of a 0-d tensor attribute (a learnable
     temperature, with ``capture_scalar_outputs``): Dynamo passes the tensor itself, not a float (its grapharg's
@@ -151,6 +152,9 @@ def pin_traced_scalars(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> int
         if not node.users or any(canonical_of(user, gm) is None for user in node.users):
             continue
         value = source.item()
+        traced = node.meta.get("example_value")
+        if isinstance(traced, torch.SymFloat):  # Dynamo's guard on the value: another value recompiles
+            float(traced)
         with gm.graph.inserting_before(node):
             same = gm.graph.call_function(torch.eq, (node.args[0], value))
             gm.graph.call_function(torch._assert_async, (same, f"fxfuse: {node.args[0].name} was {value!r} when "

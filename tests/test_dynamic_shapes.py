@@ -200,3 +200,16 @@ def test_the_item_of_a_tensor_attribute_is_not_pinned():
             assert_close_report(compiled(x), model(x))
     reasons = [row.reason for report in backend.reports for row in report.near_misses]
     assert any("is not a tensor" in reason for reason in reasons), reasons  # the mul that reads the .item()
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_a_changed_module_float_recompiles_under_the_eager_inner_compiler(dynamic):
+    """A pinned module float must be guarded, as Inductor's trace guards it: with inner "eager" nothing traced the
+    check, so Dynamo reused the graph for a new slope and its in-graph check raised where eager does not."""
+    model = nn.Sequential(nn.Linear(16, 32), nn.LeakyReLU(0.1))
+    compiled = torch.compile(model, backend=fxfuse.make_backend(inner="eager"), dynamic=dynamic)
+    with torch.no_grad():
+        for batch, slope in ((3, 0.1), (4, 0.2), (5, 0.3), (6, 0.2)):
+            model[1].negative_slope = slope
+            x = torch.randn(batch, 16)
+            assert_close_report(compiled(x), model(x))
