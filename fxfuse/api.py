@@ -657,6 +657,8 @@ def _shallow_copy(model: nn.Module) -> nn.Module:
     """`model` itself again, for a model left unfused: the same children, parameters, buffers and hooks, in dicts
     of its own (as an optimized model's), so that registering on it leaves the model alone."""
     result = copy.copy(model)
+    for name, value in vars(model).items():  # a GraphModule's copy keeps no plain attribute (what its hooks read)
+        result.__dict__.setdefault(name, value)
     for name in ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set", *_HOOK_DICTS):
         if name in vars(model):
             setattr(result, name, copy.copy(getattr(model, name)))

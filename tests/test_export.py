@@ -111,3 +111,13 @@ def test_exported_program_trains():
                                       [params[name] for name, _ in model.named_parameters()])
     for (name, _), e, a in zip(model.named_parameters(), eager_grads, fused_grads):
         assert_close_report(a, e, rtol=1e-4, atol=1e-5, what=f"gradient of {name}")
+
+
+def test_an_exported_programs_module_given_to_optimize_still_runs():
+    """ep.module() holds aten ops, which fxfuse does not fuse; the unfused copy optimize() returned had lost its plain
+    attributes (GraphModule's copy keeps none), so export's input check hook raised AttributeError at each call."""
+    model, inputs = load_model_file(EXAMPLES["linear_groupnorm_hardtanh"], small=True).build()
+    program = _export(model, inputs)
+    optimized = fxfuse.optimize(program.module(), inputs)
+    with torch.no_grad():
+        assert_close_report(optimized(*inputs), model(*inputs))
