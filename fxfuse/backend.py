@@ -191,7 +191,11 @@ class FxfuseBackend:
         inner_name = inner if isinstance(inner, str) else getattr(inner, "__name__", type(inner).__name__)
         self.__name__ = f"{BACKEND_NAME}[{inner_name}]"
 
-    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]):
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **compile_settings):
+        if compile_settings:  # torch.compile(..., mode=..., options=...) with this object as its backend
+            raise TypeError(f"fxfuse: torch.compile's {' and '.join(sorted(compile_settings))} can't reach a backend "
+                            "object: give them to fxfuse.make_backend(inner, mode, **options), or use "
+                            "backend='fxfuse' with options={'inner': ...}")
         _load_kernels_for(example_inputs)
         pin_traced_scalars(gm, example_inputs)
         report = fuse_graph(gm, training=is_training_graph(gm, example_inputs), shapes_guarded=True)

@@ -122,6 +122,15 @@ def test_inner_options_go_to_the_inner_compiler():
     assert seen == {"mode": "reduce-overhead"}
 
 
+@pytest.mark.parametrize("given", [{"mode": "max-autotune"}, {"options": {"max_autotune": True}}])
+def test_mode_or_options_given_to_torch_compile_with_a_backend_object_say_where_they_go(given):
+    """torch.compile passes its mode and options on to a backend object, whose own come from make_backend(): the
+    call failed with Python's "unexpected keyword argument", naming no way to give them."""
+    compiled = torch.compile(nn.Sequential(nn.Linear(8, 16), nn.ReLU()), backend=fxfuse.make_backend(), **given)
+    with pytest.raises(Exception, match=r"fxfuse\.make_backend\(inner, mode, \*\*options\)"):
+        compiled(torch.randn(2, 8))
+
+
 def test_backends_with_the_same_settings_are_equal():
     assert fxfuse.make_backend(inner="eager") == fxfuse.make_backend(inner="eager")
     assert fxfuse.make_backend(inner="eager") != fxfuse.make_backend(inner="aot_eager")
