@@ -124,9 +124,10 @@ def pin_traced_scalars(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> int
     nothing); the in-graph check (``_assert_async``) stays, should a graph ever run with another value. Only
     reads that feed ops of the fxfuse vocabulary are pinned, and only of attributes (`_ATTRIBUTE_OF_A_LOCAL`): a
     float the caller passes (`forward(x, scale)`, `cfg["scale"]`, `*args`) or a global changes from call to call
-    and stays a traced value (the op that reads it is then not fused). So does the ``.item()`` of a 0-d tensor attribute (a learnable
-    temperature, with ``capture_scalar_outputs``): Dynamo passes the tensor itself, not a float (its grapharg's
-    ``pass_arg_as_tensor`` is False), and its value changes with no recompile. Returns how many were.
+    and stays a traced value (the op that reads it is then not fused). So does the ``.item()`` of a 0-d tensor
+    attribute (a learnable temperature, with ``capture_scalar_outputs``): Dynamo passes the tensor itself, not a
+    float (its grapharg's ``pass_arg_as_tensor`` is False), and its value changes with no recompile. Returns how
+    many were.
     """
     from .canonicalize import canonical_of
 
