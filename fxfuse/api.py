@@ -389,6 +389,9 @@ def _adopt_state(gm: fx.GraphModule, model: nn.Module) -> None:
     for name in _HOOK_DICTS:  # the root's own hooks run around the optimized forward as around the model's
         if hasattr(model, name):
             setattr(gm, name, type(getattr(model, name))(getattr(model, name)))
+    for name, value in vars(model).items():  # plain attributes, which the root's hooks may read (`mod.scale`)
+        if name != "forward":
+            gm.__dict__.setdefault(name, value)
     for path, value in read.items():
         # Tensors the tracer made constants of, or plain tensor attributes of the model: not state.
         if _attribute(gm, path) is _MISSING and "." not in path:

@@ -1517,6 +1517,15 @@ def test_an_optimized_child_keeps_its_guards_inside_an_optimized_parent():
         optimized(rows())
 
 
+def test_a_roots_hook_that_reads_a_plain_attribute_of_the_model_runs():
+    """The optimized model had none of the model's plain attributes: the hook raised AttributeError."""
+    model = nn.Sequential(nn.Linear(IN, OUT), nn.ReLU()).eval()
+    model.scale = 2.0
+    model.register_forward_pre_hook(lambda module, args: (args[0] * module.scale,))
+    optimized = assert_whole_chain_fused(model, (rows(),))
+    assert optimized.scale == 2.0
+
+
 def test_the_roots_state_dict_hooks_run_around_the_optimized_model():
     model = nn.Sequential(nn.Linear(IN, OUT), nn.ReLU()).eval()
     legacy = {"fc.weight": model[0].weight.detach().clone(), "fc.bias": model[0].bias.detach().clone()}
