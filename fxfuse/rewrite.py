@@ -97,10 +97,11 @@ def _same_setting(a, b) -> bool:
     return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
 
 
-def require_settings(x, module: nn.Module, path: str, settings: dict, kind: str) -> None:
+def require_settings(x, module: nn.Module, path: str, settings: dict, kind: str, tensors: tuple = ()) -> None:
     """Called by rewritten graphs for each module folded into a fused op: it is still of its kind, with the class's
-    forward, its settings are still the program's, and it has no hooks of its own (the fused op would skip them;
-    every module's, such as a profiler's, are the caller's to know). `x`: as require_eval_mode's."""
+    forward, its settings are still the program's, the `tensors` the fused op reads of it are still tensors (not
+    None), and it has no hooks of its own (the fused op would skip them; every module's, such as a profiler's, are the
+    caller's to know). `x`: as require_eval_mode's."""
     if has_call_hooks(module):
         hooks = hooks_of(module, own_only=True)  # (each call: only the dicts' truth, then the message)
         raise RuntimeError(f"fxfuse: `{path}` has {hooks} now, which its fused op would skip; run fxfuse.optimize() "
@@ -115,6 +116,10 @@ def require_settings(x, module: nn.Module, path: str, settings: dict, kind: str)
             shown = f"a tensor of shape {tuple(now.shape)}" if isinstance(now, torch.Tensor) else repr(now)
             raise RuntimeError(f"fxfuse: `{path}`.{name} was {value!r} when it was fused and is now {shown}; "
                                "run fxfuse.optimize() on the model again")
+    for name in tensors:
+        if getattr(module, name, None) is None:
+            raise RuntimeError(f"fxfuse: `{path}`.{name} was a tensor when it was fused and is now None; run "
+                               "fxfuse.optimize() on the model again")
 
 
 # The GEMM spellings a forward argument can be the input of, by the name require_tensor takes.
@@ -241,6 +246,7 @@ def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool,
         if isinstance(region.x, fx.Node) and region.x.op == "placeholder" and not shapes_guarded:
             graph.call_function(require_tensor, (region.x, _gemm_spelling(region.anchor)))
         # The region relied on these modules' mode and settings: a later .train() or change must not go unnoticed.
+        read = {module_tensor_path(p) for p in (*region.params, region.bias)} - {None}
         for member in region.members:
             if member.op != "call_module":
                 continue
@@ -249,8 +255,11 @@ def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool,
                 graph.call_function(require_eval_mode, (region.x, graph.get_attr(member.target), member.target))
             # The GEMM's weight and bias are read at each call: only a bias it had none of is in its program.
             settings = missing_tensors_of(module) if member is region.anchor else settings_of(module)
+            # (the GEMM's weight and bias are the op's own arguments: None there raises eager's error, or has no bias)
+            tensors = () if member is region.anchor else \
+                tuple(name for name in (*module._parameters, *module._buffers) if f"{member.target}.{name}" in read)
             graph.call_function(require_settings, (region.x, graph.get_attr(member.target), member.target, settings,
-                                                   kind_of(module)))
+                                                   kind_of(module), *((tensors,) if tensors else ())))
         if region.check_matrix:
             op = "addmm" if region.anchor.target is torch.addmm else "mm"
             graph.call_function(require_matrix, (region.x, op))

@@ -1616,6 +1616,34 @@ def test_a_setting_or_tensor_that_was_none_when_fused_is_guarded(change):
         optimized(rows())
 
 
+def drop_norm_weight(model):
+    model[1].weight = None
+
+
+def drop_norm_bias(model):
+    model[1].bias = None
+
+
+def drop_running_statistics(model):
+    model[1].running_mean, model[1].running_var = None, None
+
+
+@pytest.mark.parametrize("norm, change", [
+    (nn.LayerNorm(OUT), drop_norm_weight),
+    (nn.GroupNorm(4, OUT), drop_norm_bias),
+    (nn.BatchNorm1d(OUT), drop_running_statistics),
+], ids=["layer_norm-weight", "group_norm-bias", "batch_norm-statistics"])
+def test_a_tensor_that_a_fused_op_reads_set_to_none_later_is_guarded(norm, change):
+    """A folded module's weight, bias or statistics set to None after optimizing reached the fused op, whose schema
+    raised ("Expected a value of type 'List[Tensor]' for argument 'params'") where eager computes without it."""
+    model = nn.Sequential(nn.Linear(IN, OUT), norm).eval()
+    optimized = fxfuse.optimize(model, (rows(),))
+    assert fused_op_count(optimized) == 1
+    change(model)
+    with pytest.raises(RuntimeError, match="was a tensor when it was fused and is now None"):
+        optimized(rows())
+
+
 class LinearReLU(nn.Module):
     def __init__(self):
         super().__init__()
