@@ -16,6 +16,7 @@ import functools
 import inspect
 import logging
 import operator
+import re
 import types
 from typing import Any, NamedTuple, Sequence
 
@@ -42,9 +43,10 @@ class FusedGraphModule(fx.GraphModule):
     every tensor it reads as a persistent buffer (fx's tensor constants included); these overrides give the
     rebuilt module the model's state again, so that its state_dict keys stay those of the model."""
 
-    # (each module's mode when the graph was traced, the call that fixed one), where the forward passed a
-    # module's self.training on (F.dropout(h, p, training=self.training)): any mode change makes the graph wrong
-    traced_training: tuple[dict[str, bool], str] | None = None
+    # (each module's mode when the graph was traced, the call that fixed one or None), where the forward passed a
+    # module's self.training on (F.dropout(h, p, training=self.training)) or branched on it in Python (None): any mode
+    # change makes the graph wrong
+    traced_training: tuple[dict[str, bool], str | None] | None = None
     # (path, module) of each module the trace ran through rather than calling it: a hook added to one later would
     # never run (one it had kept it a call of its own)
     inlined: tuple[tuple[str, nn.Module], ...] = ()
@@ -60,10 +62,12 @@ class FusedGraphModule(fx.GraphModule):
             for path, module in self.named_modules():
                 if modes.get(path, module.training) != module.training:
                     what = f"`{path}`" if path else "this model"
+                    fixed = f"its graph fixed `{call}`'s training argument" if call is not None else \
+                        "its trace kept the code its forward ran for the modules' `training` values"
                     raise RuntimeError(f"fxfuse: {what} was in {'train' if modes[path] else 'eval'} mode when the "
-                                       f"model was optimized, and its graph fixed `{call}`'s training argument "
-                                       "then; run fxfuse.optimize() on the model in the modes you use (or "
-                                       "torch.compile(model, backend='fxfuse'), which recompiles on a mode change)")
+                                       f"model was optimized, and {fixed} then; run fxfuse.optimize() on the model "
+                                       "in the modes you use (or torch.compile(model, backend='fxfuse'), which "
+                                       "recompiles on a mode change)")
         return super().__call__(*args, **kwargs)
 
     def __getattr__(self, name: str):
@@ -248,6 +252,8 @@ def _trace(model: nn.Module, given_inputs: int | None, given_nones: Sequence[str
             _check_optional_arguments(model, graph)
         gm = FusedGraphModule(tracer.root, graph, class_name=type(model).__name__)
         gm.inlined = tuple(tracer.inlined.items())
+        if _traced_otherwise_in_the_other_modes(model, concrete, graph):
+            gm.traced_training = ({path: m.training for path, m in model.named_modules()}, None)
     if gm.traced_training is None:
         dependent = _mode_dependent_call(gm.graph, {m.training for m in model.modules()})
         if dependent is not None:
@@ -269,6 +275,32 @@ def _traced(model: nn.Module, concrete: dict) -> tuple[_Tracer, fx.Graph]:
         raise RuntimeError(f"its forward switches {' and '.join(sorted(set(switched)))}, which an fx trace "
                            "would drop (torch.compile(model, backend='fxfuse') keeps it)")
     return tracer, graph
+
+
+def _traced_otherwise_in_the_other_modes(model: nn.Module, concrete: dict, graph: fx.Graph) -> bool:
+    """Whether a trace with every module's mode flipped records other code than `graph`: the forward's Python code
+    read a `training` (`if self.training:`, a helper's `training` argument), and the trace kept the branch it took.
+    A forward that can't be traced in the other modes counts too."""
+    modules = list(model.modules())
+    modes = [module.training for module in modules]
+    before = set(vars(model))
+    try:
+        for module, mode in zip(modules, modes):
+            module.training = not mode
+        _, flipped = _traced(model, concrete)
+    except Exception:
+        return True
+    finally:
+        for module, mode in zip(modules, modes):
+            module.training = mode
+        for name in [k for k in vars(model) if k not in before and k.startswith("_tensor_constant")]:
+            delattr(model, name)  # (the discarded trace's own constants)
+    return _code_of(flipped) != _code_of(graph)
+
+
+def _code_of(graph: fx.Graph) -> str:
+    """A graph's Python code, with fx's tensor constants unnumbered (each trace numbers its own)."""
+    return re.sub(r"_tensor_constant\d+", "_tensor_constant", graph.python_code("self").src)
 
 
 def _check_optional_arguments(model: nn.Module, graph: fx.Graph) -> None:

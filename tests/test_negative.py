@@ -1473,6 +1473,58 @@ def test_a_graph_that_fixed_torch_dropouts_train_argument_raises_in_the_other_mo
         optimized(rows())
 
 
+class ScalesInTraining(nn.Module):
+    """A Python branch on self.training (stochastic depth, an auxiliary term): the trace keeps the branch it took."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(IN, OUT)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.training:
+            h = h * 0.5
+        return torch.relu(h)
+
+
+def skip_unless_training(x, training):
+    return x + 1.0 if training else x
+
+
+class ChildScalesInTraining(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block, self.fc = ScalesInTraining(), nn.Linear(OUT, OUT)
+
+    def forward(self, x):
+        return torch.tanh(skip_unless_training(self.fc(self.block(x)), self.fc.training))
+
+
+@pytest.mark.parametrize("model_class", [ScalesInTraining, ChildScalesInTraining])
+@pytest.mark.parametrize("traced_in", ["eval", "train"])
+def test_a_forward_that_reads_self_training_in_python_raises_in_the_other_mode(model_class, traced_in):
+    """`if self.training:` (or self.training passed to a helper that branches on it) is decided once, at trace time:
+    after optimized.train() (or .eval()) the optimized model ran the other mode's code silently."""
+    model = getattr(model_class(), traced_in)()
+    optimized = fxfuse.optimize(model, (rows(),))
+    assert fused_op_count(optimized) >= 1
+    x = rows()
+    with torch.no_grad():
+        assert_close_report(optimized(x), model(x))
+    optimized.train(traced_in == "eval")
+    with pytest.raises(RuntimeError, match=f"was in {traced_in} mode when the model was optimized"):
+        optimized(x)
+
+
+def test_a_forward_that_does_not_read_self_training_still_changes_mode():
+    model = GemmThen(lambda m, x, y: torch.relu(m.fc(x))).eval()
+    optimized = fxfuse.optimize(model, (rows(),))
+    assert optimized.traced_training is None
+    optimized.train()
+    x = rows()
+    assert_close_report(optimized(x), model(x))
+
+
 def test_optimizing_an_optimized_model_keeps_its_mode_guard():
     model = DropoutByTorchBuiltin().train()
     twice = fxfuse.optimize(fxfuse.optimize(model, (rows(),)), (rows(),))
