@@ -120,7 +120,7 @@ def _state_of(attributes: dict):
     """The state _adopt_state takes from a module's attributes: its children, tensors, mode and own hooks (the
     root's hooks run around the optimized forward, in a copy or an unpickled model too)."""
     names = ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set", "training")
-    hooks = {name: attributes[name] for name in _HOOK_DICTS if name in attributes}
+    hooks = {name: attributes[name] for name in (*_HOOK_DICTS, "_is_full_backward_hook") if name in attributes}
     return types.SimpleNamespace(**{name: attributes[name] for name in names}, **hooks)
 
 
@@ -421,6 +421,8 @@ def _adopt_state(gm: fx.GraphModule, model: nn.Module) -> None:
     for name in _HOOK_DICTS:  # the root's own hooks run around the optimized forward as around the model's
         if hasattr(model, name):
             setattr(gm, name, type(getattr(model, name))(getattr(model, name)))
+    # (whether its backward hooks are full ones: torch runs those of neither kind, None, nowhere)
+    gm._is_full_backward_hook = getattr(model, "_is_full_backward_hook", None)
     for name, value in vars(model).items():  # plain attributes, which the root's hooks may read (`mod.scale`)
         if name != "forward":
             gm.__dict__.setdefault(name, value)

@@ -128,6 +128,30 @@ def test_roundtrip_keeps_the_models_own_hooks(roundtrip):
         assert_close_report(restored(x), model(x))
 
 
+GRAD_INPUTS = []
+
+
+def record_grad_input(module, grad_input, grad_output):
+    GRAD_INPUTS.append(grad_input[0].clone())
+
+
+@pytest.mark.parametrize("roundtrip", [lambda module: module, copy.copy, roundtrip_deepcopy, roundtrip_pickle,
+                                       roundtrip_torch_save], ids=["none", "copy", "deepcopy", "pickle", "torch.save"])
+def test_the_models_full_backward_hook_runs_around_the_optimized_model(roundtrip):
+    """The root's register_full_backward_hook was copied without the module's flag that marks its backward hooks as
+    full ones, and torch runs a hook of neither kind: the optimized model's backward skipped it silently."""
+    model, _ = optimized_block()
+    model.register_full_backward_hook(record_grad_input)
+    optimized = roundtrip(fxfuse.optimize(model, (torch.randn(3, 24),)))
+    assert fused_op_count(optimized) == 2
+    x = torch.randn(5, 24, requires_grad=True)
+    GRAD_INPUTS.clear()
+    model(x).square().sum().backward()
+    optimized(x).square().sum().backward()
+    assert len(GRAD_INPUTS) == 2
+    assert_close_report(GRAD_INPUTS[1], GRAD_INPUTS[0], what="the hook's grad_input")
+
+
 @pytest.mark.parametrize("roundtrip", [roundtrip_deepcopy, roundtrip_pickle, roundtrip_torch_save],
                          ids=["deepcopy", "pickle", "torch.save"])
 def test_roundtrip_keeps_the_graphs_checks(roundtrip):
