@@ -246,6 +246,9 @@ def _trace(model: nn.Module, given_inputs: int | None, given_nones: Sequence[str
         gm.traced_training = getattr(model, "traced_training", None)
         gm.inlined = getattr(model, "inlined", ())
     else:
+        if type(model).train is not nn.Module.train:  # (a child's runs: GraphModule.train calls its children's)
+            raise RuntimeError(f"its class overrides train(), which the optimized model (a GraphModule, no "
+                               f"{type(model).__name__}) would not run")
         concrete = {**_none_defaults(model, given_inputs), **{name: None for name in given_nones}}
         tracer, graph = _traced(model, concrete)
         if given_inputs is None:

@@ -1714,6 +1714,39 @@ class BlockThenScale(nn.Module):
         return self.block(x) * 2.0 + self.other(x)
 
 
+class KeepsItsNormInEval(nn.Module):
+    """mmdetection's `norm_eval`: the class's train() keeps its BatchNorm in eval mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn, self.block = nn.BatchNorm1d(IN), LinearReLU()
+
+    def forward(self, x):
+        return self.block(self.bn(x))
+
+    def train(self, mode=True):
+        super().train(mode)
+        self.bn.eval()
+        return self
+
+
+def test_a_model_whose_class_overrides_train_keeps_its_train():
+    """The optimized model, a GraphModule, ran nn.Module.train: after optimized.train() its BatchNorm normalized over
+    the batch and updated the model's running statistics, where the class's train() keeps it in eval. Such a model is
+    left to its children, which are optimized."""
+    model = KeepsItsNormInEval()
+    model.bn.running_mean.normal_()
+    reference = copy.deepcopy(model).train()
+    optimized = fxfuse.optimize(model.eval(), (rows(),))
+    assert fused_op_count(optimized) == 1
+    assert_reason(optimized, "its class overrides train()")
+    optimized.train()
+    assert not model.bn.training
+    x = rows()
+    assert_close_report(optimized(x), reference(x))
+    assert torch.equal(model.bn.running_mean, reference.bn.running_mean)
+
+
 def test_a_module_with_hooks_is_called_not_traced_through():
     """fx traces through a module of the user's: its hooks ran once, on proxies, and never again. It stays a call,
     whose hooks run at each call and never on the shapes run's fake tensors (once on the real run that learns what
