@@ -57,6 +57,12 @@ class FusedGraphModule(fx.GraphModule):
             raise RuntimeError(f"fxfuse: `{path}` has {hooks_of(module, own_only=True)} now; the optimized model "
                                "runs its ops without calling it, so they would never run: run fxfuse.optimize() on "
                                "the model again")
+        child = self.__dict__.get("_stands_for")
+        if child is not None and any(getattr(child, name) for name in CALL_HOOK_DICTS) and _hooks_added(child, self):
+            raise RuntimeError(f"fxfuse: the {type(child).__name__} that this optimized module replaced in its parent "
+                               f"has {hooks_of(child, own_only=True)} now, which the parent, calling this module "
+                               "instead, would never run: register them on this module, or run fxfuse.optimize() "
+                               "on the model again")
         if self.traced_training is not None:
             modes, call = self.traced_training
             for path, module in self.named_modules():
@@ -114,6 +120,11 @@ class FusedGraphModule(fx.GraphModule):
         for name in ("meta", *(k for k in self.__dict__ if k not in fused.__dict__)):
             fused.__dict__[name] = self.__dict__[name]
         return fused
+
+
+def _hooks_added(module: nn.Module, fused: FusedGraphModule) -> bool:
+    """Whether `module` has a call hook that `fused`, optimized from it, did not copy (one registered since)."""
+    return any(set(getattr(module, name)) - set(getattr(fused, name)) for name in CALL_HOOK_DICTS)
 
 
 def _state_of(attributes: dict):

@@ -211,6 +211,21 @@ def test_untraceable_model_gets_its_children_optimized(with_example_inputs):
         assert optimized.state_dict(keep_vars=True)[key] is tensor, key
 
 
+def test_a_hook_added_to_a_child_that_the_optimized_model_replaced_raises():
+    """The optimized parent calls an optimized copy of `head`: a hook registered on the model's own `head` after
+    optimizing never ran, silently (one registered before runs in both)."""
+    model = DataDependent().eval()
+    model.head.register_forward_hook(add_one)
+    optimized = fxfuse.optimize(model, (torch.randn(3, 24),))
+    assert optimized.head is not model.head and fused_op_count(optimized.head) == 1
+    x = torch.randn(3, 24)
+    with torch.no_grad():
+        assert_close_report(optimized(x), model(x))
+    model.head.register_forward_hook(add_one)
+    with pytest.raises(RuntimeError, match="has forward hooks now"):
+        optimized(x)
+
+
 def test_untraceable_model_roundtrips_through_torch_save():
     model = DataDependent().eval()
     restored = roundtrip_torch_save(fxfuse.optimize(model))
