@@ -261,13 +261,18 @@ def _trace(model: nn.Module, given_inputs: int | None, given_nones: Sequence[str
             raise RuntimeError(f"its class overrides train(), which the optimized model (a GraphModule, no "
                                f"{type(model).__name__}) would not run")
         concrete = {**_none_defaults(model, given_inputs), **{name: None for name in given_nones}}
-        tracer, graph = _traced(model, concrete)
-        if given_inputs is None:
-            _check_optional_arguments(model, graph)
-        gm = FusedGraphModule(tracer.root, graph, class_name=type(model).__name__)
+        attributes = set(vars(model))
+        try:
+            tracer, graph = _traced(model, concrete)
+            if given_inputs is None:
+                _check_optional_arguments(model, graph)
+            gm = FusedGraphModule(tracer.root, graph, class_name=type(model).__name__)  # (takes the constants)
+            if _traced_otherwise_in_the_other_modes(model, concrete, graph):
+                gm.traced_training = ({path: m.training for path, m in model.named_modules()}, None)
+        finally:  # fx's tracer stows the tensors a forward makes on the traced root, the user's model
+            for name in [k for k in vars(model) if k not in attributes and k.startswith("_tensor_constant")]:
+                delattr(model, name)
         gm.inlined = tuple(tracer.inlined.items())
-        if _traced_otherwise_in_the_other_modes(model, concrete, graph):
-            gm.traced_training = ({path: m.training for path, m in model.named_modules()}, None)
     if gm.traced_training is None:
         dependent = _mode_dependent_call(gm.graph, {m.training for m in model.modules()})
         if dependent is not None:
@@ -297,7 +302,6 @@ def _traced_otherwise_in_the_other_modes(model: nn.Module, concrete: dict, graph
     A forward that can't be traced in the other modes counts too."""
     modules = list(model.modules())
     modes = [module.training for module in modules]
-    before = set(vars(model))
     try:
         for module, mode in zip(modules, modes):
             module.training = not mode
@@ -307,8 +311,6 @@ def _traced_otherwise_in_the_other_modes(model: nn.Module, concrete: dict, graph
     finally:
         for module, mode in zip(modules, modes):
             module.training = mode
-        for name in [k for k in vars(model) if k not in before and k.startswith("_tensor_constant")]:
-            delattr(model, name)  # (the discarded trace's own constants)
     return _code_of(flipped) != _code_of(graph)
 
 

@@ -243,6 +243,31 @@ def test_optimize_does_not_change_the_original_model():
     assert fused_op_count(model) == 0
 
 
+class ScaledByATensorItMakes(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(24, 40)
+
+    def forward(self, x, scale=None):
+        return torch.relu(self.fc(x)) * torch.tensor(2.0)  # a tensor fx's trace keeps as a constant
+
+
+@pytest.mark.parametrize("with_example_inputs", [True, False], ids=["example-inputs", "no-inputs"])
+def test_optimize_leaves_no_tensor_constants_on_the_original_model(with_example_inputs):
+    """fx's tracer stows the tensors a forward makes on the traced root, the user's model: each optimize() left a
+    `_tensor_constantN` attribute on it (and every extra trace another)."""
+    model = ScaledByATensorItMakes().eval()
+    before = dict(vars(model))
+    for _ in range(2):
+        optimized = fxfuse.optimize(model, (torch.randn(3, 24),) if with_example_inputs else None)
+    assert vars(model).keys() == before.keys()
+    assert fused_op_count(optimized) == 1
+    x = torch.randn(3, 24)
+    with torch.no_grad():
+        assert_close_report(optimized(x), model(x))
+    assert_close_report(copy.deepcopy(optimized)(x), model(x))
+
+
 # ---------------------------------------------------------------- state the graph does not read
 
 
