@@ -35,6 +35,8 @@ from .rewrite import GRAPH_HELPERS, fuse_graph
 
 logger = logging.getLogger("fxfuse")
 
+_FX_ASSERT_IS_NONE = getattr(torch.fx._symbolic_trace, "_assert_is_none", None)
+
 
 class FusedGraphModule(fx.GraphModule):
     """What optimize() makes of a traceable model: a GraphModule whose state is exactly the model's.
@@ -217,6 +219,14 @@ for _function in (operator.iadd, operator.isub, operator.imul, operator.itruediv
     setattr(_Proxy, f"__{_function.__name__}__", _recorded_in_place(_function))
 
 
+def assert_is_none(value, message: str) -> None:
+    """fx's check, in a traced graph, that an argument traced as None still is (its `_assert_is_none`), under a name
+    of fxfuse's: traced again on unpickling, fx's own is recorded as a wrapped function by its dotted name, which fx's
+    process-wide registry then can't look up, and every later fx trace raised KeyError."""
+    if value is not None:
+        raise AssertionError(message)
+
+
 class _Tracer(fx.Tracer):
     """fx's tracer, with these kept as one call each: a model fxfuse already optimized (its graph checks at each
     call that the modules it folded keep their modes and settings, which tracing through it would run once, at
@@ -224,7 +234,8 @@ class _Tracer(fx.Tracer):
     modules it traces through (`inlined`), whose hooks the optimized model can't run."""
 
     def __init__(self):
-        super().__init__(autowrap_functions=GRAPH_HELPERS)  # calls of their own in a graph traced again
+        # Calls of their own in a graph traced again.
+        super().__init__(autowrap_functions=(*GRAPH_HELPERS, assert_is_none))
         # Buffers as graph reads, not their trace-time values: fx otherwise runs `self.buf.exp()` once, at trace
         # time, and keeps the result as a constant that load_state_dict, fill_ or .half() never reach.
         self.proxy_buffer_attributes = True
@@ -239,6 +250,13 @@ class _Tracer(fx.Tracer):
         if type(a).__module__ == "numpy" and type(a).__name__ != "ndarray" and hasattr(a, "item"):
             a = a.item()
         return super().create_arg(a)
+
+    def trace(self, root, concrete_args=None) -> fx.Graph:
+        graph = super().trace(root, concrete_args)
+        for node in graph.nodes:
+            if node.op == "call_function" and node.target is _FX_ASSERT_IS_NONE:
+                node.target = assert_is_none
+        return graph
 
     def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
         return isinstance(module, FusedGraphModule) or has_call_hooks(module) or \

@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from fxfuse.api import assert_is_none
 from fxfuse.library import FUSED_OPS, gemm_epilogue_train
 from fxfuse.rewrite import GRAPH_HELPERS
 from fxfuse.testing import assert_fuses
@@ -40,8 +41,6 @@ class GemmThen(nn.Module):
         return self.epilogue(self, x, y)
 
 
-_ASSERT_IS_NONE = torch.fx._symbolic_trace._assert_is_none
-
 # Nodes a fully fused graph may still hold besides the fused ops (and their eval-mode checks): inputs,
 # attributes, the output, the transpose of a weight that the GEMM reads as `x @ W`, and the result taken out of
 # a training op's (out, gemm_out).
@@ -55,7 +54,7 @@ def leftover_compute(module: nn.Module) -> list[str]:
         for node in graph_module.graph.nodes:
             if node.op in _BOOKKEEPING:
                 continue
-            if node.target in (*FUSED_OPS, *GRAPH_HELPERS, _ASSERT_IS_NONE):  # fx's check of an argument traced as None
+            if node.target in (*FUSED_OPS, *GRAPH_HELPERS, assert_is_none):  # the check of an argument traced as None
                 continue
             if node.target is operator.getitem and node.args[0].target is gemm_epilogue_train:
                 continue

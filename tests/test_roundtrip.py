@@ -164,6 +164,43 @@ def test_roundtrip_keeps_the_graphs_checks(roundtrip):
         restored(torch.randn(5, 24))
 
 
+class OptionalScale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(24, 40)
+
+    def forward(self, x, scale=None):
+        h = torch.relu(self.fc(x))
+        return h if scale is None else h * scale
+
+
+@pytest.fixture
+def fx_wrap_registry_kept():
+    """fx's process-wide registry of wrapped functions, put back after the test (a broken one fails every trace)."""
+    from torch.fx import _symbolic_trace
+    saved = dict(_symbolic_trace._wrapped_fns_to_patch)
+    yield
+    _symbolic_trace._wrapped_fns_to_patch.clear()
+    _symbolic_trace._wrapped_fns_to_patch.update(saved)
+
+
+@pytest.mark.parametrize("roundtrip", [roundtrip_pickle, roundtrip_torch_save], ids=["pickle", "torch.save"])
+def test_an_argument_traced_as_none_survives_repeated_unpickling(roundtrip, fx_wrap_registry_kept):
+    """fx's check that `scale` is still None, traced again on unpickling, was recorded as a wrapped function under its
+    dotted name (`torch.fx._symbolic_trace._assert_is_none`), which fx's registry can't look up: the next unpickling,
+    and every later fx trace in the process (any fxfuse.optimize()), raised KeyError."""
+    model = OptionalScale().eval()
+    optimized = fxfuse.optimize(model, (torch.randn(3, 24),))
+    restored = roundtrip(roundtrip(optimized))
+    assert fused_op_count(restored) == 1
+    x = torch.randn(3, 24)
+    with torch.no_grad():
+        assert_close_report(restored(x), model(x))
+    with pytest.raises(AssertionError, match="scale has been specialized to have value None"):
+        restored(x, torch.ones(40))
+    assert fused_op_count(fxfuse.optimize(Block().eval(), (torch.randn(3, 24),))) == 2
+
+
 def test_state_dict_saved_from_the_optimized_module_loads_into_a_fresh_model():
     model, optimized = optimized_block()
     buffer = io.BytesIO()
