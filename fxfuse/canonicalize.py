@@ -133,6 +133,37 @@ _unary("log", (torch.log,), _optional("log_"), ("log",))
 _unary("rsqrt", (torch.rsqrt,), _optional("rsqrt_"), ("rsqrt",))
 _unary("abs", (torch.abs, torch.absolute, operator.abs), _optional("abs_"), ("abs", "absolute"))
 _unary("neg", (torch.neg, torch.negative, operator.neg), _optional("neg_", "negative_"), ("neg", "negative"))
+_unary("sqrt", (torch.sqrt,), _optional("sqrt_"), ("sqrt",))
+_unary("reciprocal", (torch.reciprocal,), _optional("reciprocal_"), ("reciprocal",))
+_unary("erf", (torch.erf, torch.special.erf), _optional("erf_"), ("erf",))
+_unary("log1p", (torch.log1p, torch.special.log1p), _optional("log1p_"), ("log1p",))
+_unary("expm1", (torch.expm1, torch.special.expm1), _optional("expm1_"), ("expm1",))
+_unary("sin", (torch.sin,), _optional("sin_"), ("sin",))
+_unary("cos", (torch.cos,), _optional("cos_"), ("cos",))
+_unary("log_sigmoid", (F.logsigmoid,), signature="(input)")  # F.logsigmoid is torch._C._nn.log_sigmoid
+_unary("softsign", (F.softsign,), signature="(input)")
+_unary("tanhshrink", (F.tanhshrink,), signature="(input)")
+
+
+@spelling("(input, threshold, value, inplace=False)", functions=(F.threshold, torch.threshold),
+          inplace_functions=(torch.threshold_,))  # F.threshold_ is torch.threshold_
+def _threshold(a, inplace):
+    attrs = {"threshold": _number(a["threshold"], "threshold's threshold"),
+             "value": _number(a["value"], "threshold's value")}
+    return Canonical("threshold", (a["input"],), attrs, inplace_of=_inplace(a, inplace))
+
+
+@spelling("(input, lambd=0.5)", functions=(torch.hardshrink,), methods=("hardshrink",))  # F.hardshrink too
+def _hardshrink(a, inplace):
+    return Canonical("hardshrink", (a["input"],), {"lambd": _number(a["lambd"], "hardshrink's lambd")})
+
+
+@spelling("(input, lambd=0.5)", functions=(F.softshrink,))  # torch._C._nn.softshrink
+def _softshrink(a, inplace):
+    lambd = _number(a["lambd"], "softshrink's lambd")
+    if not 0.0 <= lambd <= 65504.0:  # eager raises below 0, and above the largest value of the input's dtype
+        raise NotFusible(f"softshrink's lambd={lambd!r} is outside [0, 65504], where eager may raise")
+    return Canonical("softshrink", (a["input"],), {"lambd": lambd})
 
 
 @spelling("(input, *, memory_format=None)", methods=("contiguous",))
@@ -725,16 +756,15 @@ for _name, _function in (("neg", operator.neg), ("abs", operator.abs), ("matmul"
 
 # ---------------------------------------------------------------- ops outside the vocabulary, in idioms
 
-# Idioms match the ops they use outside the vocabulary (torch.erf, torch.where, `>`) by target and position: their
-# other spellings, as the one the built-in idioms write.
-_PLAIN_FUNCTIONS = {torch.special.erf: torch.erf, torch.gt: operator.gt, torch.greater: operator.gt}
-_PLAIN_METHODS = {"erf": torch.erf, "gt": operator.gt, "greater": operator.gt}
+# Idioms match the ops they use outside the vocabulary (torch.where, `>`) by target and position: their other
+# spellings, as the one the built-in idioms write.
+_PLAIN_FUNCTIONS = {torch.gt: operator.gt, torch.greater: operator.gt}
+_PLAIN_METHODS = {"gt": operator.gt, "greater": operator.gt}
 
 
 def plain_call(node: fx.Node) -> tuple[Any, tuple, dict] | None:
-    """A call outside the vocabulary as (target, args, kwargs) in one spelling: torch.special.erf and `h.erf()`
-    as torch.erf, torch.gt and `h.gt(0)` as `h > 0`, `a.where(c, b)` as torch.where(c, a, b); None if `node`
-    is no such call."""
+    """A call outside the vocabulary as (target, args, kwargs) in one spelling: torch.gt and `h.gt(0)` as `h > 0`,
+    `a.where(c, b)` as torch.where(c, a, b); None if `node` is no such call."""
     args, kwargs = tuple(node.args), dict(node.kwargs)
     if node.op == "call_method":
         if node.target == "where" and len(args) == 3 and not kwargs:  # self is torch.where's second argument
@@ -760,7 +790,8 @@ def _module_tensor(path: str, module: nn.Module, name: str):
 _KNOWN_MODULES = (nn.Linear, nn.ReLU, nn.SiLU, nn.Mish, nn.Hardswish, nn.Hardsigmoid, nn.SELU, nn.ReLU6, nn.Sigmoid,
                   nn.Tanh, nn.Identity, nn.Hardtanh, nn.LeakyReLU, nn.RReLU, nn.ELU, nn.CELU, nn.GELU, nn.Softplus,
                   nn.Softmax, nn.LogSoftmax, nn.Dropout, nn.AlphaDropout, nn.FeatureAlphaDropout, nn.GroupNorm,
-                  nn.LayerNorm, nn.BatchNorm1d, nn.InstanceNorm1d,
+                  nn.LayerNorm, nn.BatchNorm1d, nn.InstanceNorm1d, nn.Threshold, nn.Hardshrink, nn.Softshrink,
+                  nn.LogSigmoid, nn.Softsign, nn.Tanhshrink,
                   *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))
 
 
@@ -812,6 +843,12 @@ def _module_call(module: nn.Module, path: str):
         return F.leaky_relu, (module.negative_slope, module.inplace), {}
     if kind is nn.RReLU:
         return F.rrelu, (module.lower, module.upper, module.training, module.inplace), {}
+    if kind is nn.Threshold:
+        return F.threshold, (module.threshold, module.value, module.inplace), {}
+    if kind in (nn.Hardshrink, nn.Softshrink):
+        return {nn.Hardshrink: torch.hardshrink, nn.Softshrink: F.softshrink}[kind], (module.lambd,), {}
+    if kind in (nn.LogSigmoid, nn.Softsign, nn.Tanhshrink):
+        return {nn.LogSigmoid: F.logsigmoid, nn.Softsign: F.softsign, nn.Tanhshrink: F.tanhshrink}[kind], (), {}
     if kind in (nn.ELU, nn.CELU):
         return {nn.ELU: F.elu, nn.CELU: F.celu}[kind], (module.alpha, module.inplace), {}
     if kind is nn.GELU:

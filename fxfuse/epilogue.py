@@ -192,6 +192,71 @@ def pow(x, *, exponent):
     return torch.pow(x, exponent)
 
 
+@epilogue_op(POINTWISE, positive_domain=True)
+def sqrt(x):
+    return torch.sqrt(x)
+
+
+@epilogue_op(POINTWISE, positive_domain=True)
+def reciprocal(x):
+    return torch.reciprocal(x)
+
+
+@epilogue_op(POINTWISE)
+def erf(x):
+    return torch.erf(x)
+
+
+@epilogue_op(POINTWISE, positive_domain=True)
+def log1p(x):
+    return torch.log1p(x)
+
+
+@epilogue_op(POINTWISE)
+def expm1(x):
+    return torch.expm1(x)
+
+
+@epilogue_op(POINTWISE)
+def sin(x):
+    return torch.sin(x)
+
+
+@epilogue_op(POINTWISE)
+def cos(x):
+    return torch.cos(x)
+
+
+@epilogue_op(POINTWISE)
+def log_sigmoid(x):
+    return F.logsigmoid(x)
+
+
+@epilogue_op(POINTWISE)
+def softsign(x):
+    return F.softsign(x)
+
+
+@epilogue_op(POINTWISE)
+def tanhshrink(x):
+    return F.tanhshrink(x)
+
+
+@epilogue_op(POINTWISE, samples=({"threshold": 0.0, "value": 0.0}, {"threshold": 0.5, "value": -1.0}))
+def threshold(x, *, threshold, value):
+    return F.threshold(x, threshold, value)
+
+
+@epilogue_op(POINTWISE, samples=({"lambd": 0.5}, {"lambd": 0.0}, {"lambd": -0.5}))
+def hardshrink(x, *, lambd):
+    return F.hardshrink(x, lambd)
+
+
+@epilogue_op(POINTWISE, samples=({"lambd": 0.5}, {"lambd": 0.0}))
+def softshrink(x, *, lambd):
+    return F.softshrink(x, lambd)
+
+
 # ---------------------------------------------------------------- normalizations over the features of a row
 
 @epilogue_op(NORM, feature_operands=("weight", "bias"),

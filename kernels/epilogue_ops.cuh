@@ -309,6 +309,128 @@ struct Pow {
   }
 };
 
+// fxfuse/epilogue.py::sqrt (backward: grad / (2 sqrt(x)), so -inf at -0 as torch's)
+struct Sqrt {
+  static constexpr int num_attrs = 0;
+  __device__ static float apply(float x, const Attrs&) { return sqrtf(x); }
+  __device__ static float backward(float x, float grad, const Attrs&) { return grad / (2.0f * sqrtf(x)); }
+};
+
+// fxfuse/epilogue.py::reciprocal (IEEE division, not the activations' approximate reciprocal)
+struct Reciprocal {
+  static constexpr int num_attrs = 0;
+  __device__ static float apply(float x, const Attrs&) { return 1.0f / x; }
+  __device__ static float backward(float x, float grad, const Attrs&) {
+    const float y = 1.0f / x;
+    return -grad * (y * y);
+  }
+};
+
+// fxfuse/epilogue.py::erf
+struct Erf {
+  static constexpr bool calls_libm = true;
+  static constexpr int num_attrs = 0;
+  __device__ static float apply(float x, const Attrs&) { return erff(x); }
+  __device__ static float backward(float x, float grad, const Attrs&) {
+    return 1.1283791670955126f * expf(-(x * x)) * grad;  // 2 / sqrt(pi)
+  }
+};
+
+// fxfuse/epilogue.py::log1p
+struct Log1p {
+  static constexpr bool calls_libm = true;
+  static constexpr int num_attrs = 0;
+  __device__ static float apply(float x, const Attrs&) { return log1pf(x); }
+  __device__ static float backward(float x, float grad, const Attrs&) { return grad / (x + 1.0f); }
+};
+
+// fxfuse/epilogue.py::expm1 (backward from the result, as torch's: grad (expm1(x) + 1))
+struct Expm1 {
+  static constexpr bool calls_libm = true;
+  static constexpr int num_attrs = 0;
+  __device__ static float apply(float x, const Attrs&) { return expm1f(x); }
+  __device__ static float backward(float x, float grad, const Attrs&) { return grad * (expm1f(x) + 1.0f); }
+};
+
+// fxfuse/epilogue.py::sin
+struct Sin {
+  static constexpr bool calls_libm = true;
+  static constexpr int num_attrs = 0;
+  __device__ static float apply(float x, const Attrs&) { return sinf(x); }
+  __device__ static float backward(float x, float grad, const Attrs&) { return grad * cosf(x); }
+};
+
+// fxfuse/epilogue.py::cos
+struct Cos {
+  static constexpr bool calls_libm = true;
+  static constexpr int num_attrs = 0;
+  __device__ static float apply(float x, const Attrs&) { return cosf(x); }
+  __device__ static float backward(float x, float grad, const Attrs&) { return grad * -sinf(x); }
+};
+
+// fxfuse/epilogue.py::log_sigmoid: min(x, 0) - log1p(e^-|x|); the backward is torch's log_sigmoid_backward
+struct LogSigmoid {
+  static constexpr bool calls_libm = true;
+  static constexpr int num_attrs = 0;
+  __device__ static float apply(float x, const Attrs&) {
+    return (x < 0.0f ? x : 0.0f) - log1pf(expf(-fabsf(x)));  // a NaN x: NaN from the log1p term
+  }
+  __device__ static float backward(float x, float grad, const Attrs&) {
+    const bool negative = x < 0.0f;
+    const float z = expf(-fabsf(x));
+    return grad * ((negative ? 1.0f : 0.0f) - (negative ? 1.0f : -1.0f) * (z / (1.0f + z)));
+  }
+};
+
+// fxfuse/epilogue.py::softsign: x / (|x| + 1); the backward as autograd's through that division and abs (NaN at
+// infinite x, as there)
+struct Softsign {
+  static constexpr int num_attrs = 0;
+  __device__ static float apply(float x, const Attrs&) { return x / (fabsf(x) + 1.0f); }
+  __device__ static float backward(float x, float grad, const Attrs&) {
+    const float d = fabsf(x) + 1.0f;
+    const float sign = x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : 0.0f);
+    return grad / d + (-grad * x / (d * d)) * sign;
+  }
+};
+
+// fxfuse/epilogue.py::tanhshrink: x - tanh(x)
+struct Tanhshrink {
+  static constexpr bool calls_libm = true;
+  static constexpr int num_attrs = 0;
+  __device__ static float apply(float x, const Attrs&) { return x - tanhf(x); }
+  __device__ static float backward(float x, float grad, const Attrs&) {
+    const float y = tanhf(x);
+    return grad - grad * (1.0f - y * y);
+  }
+};
+
+// fxfuse/epilogue.py::threshold (a0 = threshold, a1 = value): x <= threshold gives value (a NaN x stays NaN)
+struct Threshold {
+  static constexpr int num_attrs = 2;
+  __device__ static float apply(float x, const Attrs& a) { return x <= a.a0 ? a.a1 : x; }
+  __device__ static float backward(float x, float grad, const Attrs& a) { return x <= a.a0 ? 0.0f : grad; }
+};
+
+// fxfuse/epilogue.py::hardshrink (a0 = lambd): 0 on [-lambd, lambd] (a NaN x stays NaN)
+struct Hardshrink {
+  static constexpr int num_attrs = 1;
+  __device__ static bool zeroed(float x, float lambd) { return x >= -lambd && x <= lambd; }
+  __device__ static float apply(float x, const Attrs& a) { return zeroed(x, a.a0) ? 0.0f : x; }
+  __device__ static float backward(float x, float grad, const Attrs& a) { return zeroed(x, a.a0) ? 0.0f : grad; }
+};
+
+// fxfuse/epilogue.py::softshrink (a0 = lambd): x moved lambd towards 0, 0 on [-lambd, lambd] (x * 0: NaN stays)
+struct Softshrink {
+  static constexpr int num_attrs = 1;
+  __device__ static float apply(float x, const Attrs& a) {
+    return x > a.a0 ? x - a.a0 : (x < -a.a0 ? x + a.a0 : x * 0.0f);
+  }
+  __device__ static float backward(float x, float grad, const Attrs& a) {
+    return x >= -a.a0 && x <= a.a0 ? 0.0f : grad;
+  }
+};
+
 // ================================================================ binary pointwise: y = F::apply(a, b)
 // F::partials(a, b, da, db): dy/da and dy/db, as torch's autograd formulas.
 
@@ -446,10 +568,13 @@ struct Logsumexp {
 
 // ================================================================ the tables: X(python_name, Functor)
 
-#define FXFUSE_UNARY_OPS(X)                                                                                    \
-  X(neg, Neg) X(relu, Relu) X(clamp, Clamp) X(hardtanh, Hardtanh) X(leaky_relu, LeakyRelu) X(elu, Elu) X(gelu, Gelu) \
-  X(silu, Silu) X(mish, Mish) X(sigmoid, Sigmoid) X(tanh, Tanh) X(softplus, Softplus) X(hardswish, Hardswish)       \
-  X(hardsigmoid, Hardsigmoid) X(exp, Exp) X(log, Log) X(rsqrt, Rsqrt) X(abs, Abs) X(pow, Pow)
+#define FXFUSE_UNARY_OPS(X)                                                                                            \
+  X(neg, Neg) X(relu, Relu) X(clamp, Clamp) X(hardtanh, Hardtanh) X(leaky_relu, LeakyRelu) X(elu, Elu)                 \
+  X(gelu, Gelu) X(silu, Silu) X(mish, Mish) X(sigmoid, Sigmoid) X(tanh, Tanh) X(softplus, Softplus)                    \
+  X(hardswish, Hardswish) X(hardsigmoid, Hardsigmoid) X(exp, Exp) X(log, Log) X(rsqrt, Rsqrt) X(abs, Abs)              \
+  X(pow, Pow) X(sqrt, Sqrt) X(reciprocal, Reciprocal) X(erf, Erf) X(log1p, Log1p) X(expm1, Expm1) X(sin, Sin)          \
+  X(cos, Cos) X(log_sigmoid, LogSigmoid) X(softsign, Softsign) X(tanhshrink, Tanhshrink) X(threshold, Threshold)       \
+  X(hardshrink, Hardshrink) X(softshrink, Softshrink)
 
 #define FXFUSE_BINARY_OPS(X) X(add, Add) X(sub, Sub) X(mul, Mul) X(div, Div)
 

@@ -55,3 +55,8 @@ def leaky_relu_from_where(x, *, negative_slope):
 @idiom("rms_norm", dtypes=(torch.float32, torch.bfloat16, torch.float64), weight=None)
 def rms_norm_by_rsqrt(x, *, eps):  # RMSNorm's formula as LLaMA and T5 write it (without their dtype casts)
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+@idiom("rms_norm", dtypes=(torch.float32, torch.bfloat16, torch.float64), weight=None)
+def rms_norm_by_sqrt(x, *, eps):  # the same, divided by the root: a rounding apart
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)

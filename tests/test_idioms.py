@@ -69,6 +69,8 @@ BUILT_IN = {
         on_gemm(lambda h: torch.where(h > 0, h, 1.3 * (h.exp() - 1))), "elu(%0,1.3,1.0,1.0)"),
     "rms_norm: LLaMA's x*rsqrt(x.pow(2).mean(-1,keepdim=True)+eps)": (
         on_gemm(lambda h: h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)), "rms_norm(%0,None,1e-06)"),
+    "rms_norm: x / sqrt(x.pow(2).mean(-1,keepdim=True)+eps)": (
+        on_gemm(lambda h: h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)), "rms_norm(%0,None,1e-06)"),
     "rms_norm: torch.square, eps first, then a scale": (
         on_gemm(lambda h: 2.0 * (h * (1e-5 + torch.square(h).mean(dim=-1, keepdim=True)).rsqrt())),
         "rms_norm(%0,None,1e-05);mul(2.0,%1)"),
@@ -106,7 +108,9 @@ def test_near_idiom_is_not_that_op(name):
 
 def test_erf_gelu_with_another_scale_is_not_gelu():
     model = GemmThen(on_gemm(lambda h: h * 0.5 * (1.0 + torch.erf(h / 1.5))))
-    fxfuse.testing.assert_not_fused(model, (torch.randn(BATCH, IN),), reason="`erf` (erf) is not an epilogue op")
+    optimized = fxfuse.testing.assert_fuses(model, (torch.randn(BATCH, IN),), regions=1)
+    (program,) = [row.program for row in optimized.fxfuse_report.fused]
+    assert program == "mul(%0,0.5);div(%0,1.5);erf(%2);add(1.0,%3);mul(%1,%4)"  # the ops as written
 
 
 def test_elu_spelling_with_another_threshold_is_not_elu():

@@ -1559,6 +1559,15 @@ def test_rrelu_with_bounds_eager_refuses_is_not_fused_and_raises_as_eager():
         optimized(rows())
 
 
+def test_softshrink_with_a_lambd_eager_refuses_is_not_fused_and_raises_as_eager():
+    model = GemmThen(lambda m, x, y: F.softshrink(m.fc(x), -0.5))
+    optimized = fxfuse.optimize(model)
+    assert not optimized.fxfuse_report.fused
+    assert_reason(optimized, "softshrink's lambd=-0.5 is outside [0, 65504]")
+    with pytest.raises(RuntimeError, match="lambda must be in range"):
+        optimized(rows())
+
+
 def test_an_optimized_child_keeps_its_guards_inside_an_optimized_parent():
     """The parent's trace ran the child's mode and settings checks once, at trace time, and kept none of them."""
     block = nn.Sequential(nn.Linear(IN, OUT), nn.Dropout(0.5), nn.ReLU()).eval()
