@@ -564,13 +564,40 @@ _reduction("logsumexp", (torch.logsumexp, torch.special.logsumexp), ("logsumexp"
 _VALUES_OF = {"max": "max_dim", "min": "min_dim"}
 
 
-@spelling("(input, dim=None, keepdim=False)", functions=(torch.max, torch.min), methods=("max", "min"))
-def _max_min(a, inplace):
-    if isinstance(a["dim"], fx.Node):  # torch.max(h, other): elementwise, which the vocabulary has not
-        raise NotFusible("elementwise max/min of two tensors is not an epilogue op")
+def _max_min(a, elementwise_op: str):
+    if isinstance(a["dim"], fx.Node) and not surely_not_tensor(a["dim"]):  # torch.max(h, other): elementwise
+        if a["keepdim"] is not False:
+            raise NotFusible(f"{elementwise_op} of two tensors with keepdim (eager raises)")
+        return Canonical(elementwise_op, (a["input"], a["dim"]), {})
     if a["dim"] is None:  # h.max(): one number, and no indices
         raise NotFusible("max/min without a dim reduces the whole tensor")
     raise NotFusible("max/min over a dim is fused through its `.values` or `[0]` (its indices are not)")
+
+
+@spelling("(input, dim=None, keepdim=False)", functions=(torch.max,), methods=("max",))
+def _max(a, inplace):
+    return _max_min(a, "maximum")
+
+
+@spelling("(input, dim=None, keepdim=False)", functions=(torch.min,), methods=("min",))
+def _min(a, inplace):
+    return _max_min(a, "minimum")
+
+
+@spelling("(input, other)", functions=(torch.maximum,), methods=("maximum",))
+def _maximum(a, inplace):
+    return _elementwise_extreme(a, "maximum")
+
+
+@spelling("(input, other)", functions=(torch.minimum,), methods=("minimum",))
+def _minimum(a, inplace):
+    return _elementwise_extreme(a, "minimum")
+
+
+def _elementwise_extreme(a, op):
+    if not isinstance(a["other"], fx.Node) or not isinstance(a["input"], fx.Node):
+        raise NotFusible(f"{op} with a number (eager takes tensors only)")
+    return Canonical(op, (a["input"], a["other"]), {})
 
 
 def _values_of(node: fx.Node) -> Canonical | None:

@@ -41,6 +41,8 @@ class EpilogueOp:
     # Defined, and well conditioned, for positive inputs only (log, rsqrt, fractional powers): the tests feed
     # it positive values, away from 0.
     positive_domain: bool = False
+    # A binary op that takes a number for one operand (add, mul...); torch.maximum takes two tensors.
+    takes_numbers: bool = True
 
     @property
     def is_binary(self) -> bool:
@@ -50,7 +52,8 @@ class EpilogueOp:
 EPILOGUE_OPS: dict[str, EpilogueOp] = {}
 
 
-def epilogue_op(kind: str, *, samples=({},), feature_operands=(), feature_dim_attr=None, positive_domain=False):
+def epilogue_op(kind: str, *, samples=({},), feature_operands=(), feature_dim_attr=None, positive_domain=False,
+                takes_numbers=True):
     """Register a reference function as a canonical epilogue op named after the function."""
 
     def register(fn):
@@ -60,7 +63,7 @@ def epilogue_op(kind: str, *, samples=({},), feature_operands=(), feature_dim_at
         EPILOGUE_OPS[fn.__name__] = EpilogueOp(
             name=fn.__name__, kind=kind, operands=operands, attrs=attrs, reference=fn,
             feature_operands=frozenset(feature_operands), samples=tuple(samples),
-            feature_dim_attr=feature_dim_attr, positive_domain=positive_domain)
+            feature_dim_attr=feature_dim_attr, positive_domain=positive_domain, takes_numbers=takes_numbers)
         return fn
 
     return register
@@ -87,6 +90,16 @@ def mul(a, b):
 @epilogue_op(POINTWISE)
 def div(a, b):
     return operator.truediv(a, b)
+
+
+@epilogue_op(POINTWISE, takes_numbers=False)
+def maximum(a, b):
+    return torch.maximum(a, b)
+
+
+@epilogue_op(POINTWISE, takes_numbers=False)
+def minimum(a, b):
+    return torch.minimum(a, b)
 
 
 # ---------------------------------------------------------------- unary pointwise

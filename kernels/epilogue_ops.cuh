@@ -78,6 +78,13 @@ template <class F>
 struct FirstIndexGradient<F, std::void_t<decltype(F::first_index_gradient)>>
     : std::bool_constant<F::first_index_gradient> {};
 
+// Whether a binary op takes a number for one operand: all but those that say `takes_numbers = false`, whose
+// torch functions take two tensors (torch.maximum).
+template <class F, class = void>
+struct TakesNumbers : std::true_type {};
+template <class F>
+struct TakesNumbers<F, std::void_t<decltype(F::takes_numbers)>> : std::bool_constant<F::takes_numbers> {};
+
 // ================================================================ unary pointwise: y = F::apply(x, attrs)
 // num_attrs: how many attributes follow the operand in the program text. F::backward(x, grad, attrs) is the
 // input's gradient for the output's gradient `grad`, as torch's autograd formula for the reference computes it
@@ -458,6 +465,26 @@ struct Div {
   __device__ static void partials(float a, float b, float& da, float& db) { da = 1.0f / b, db = -a / (b * b); }
 };
 
+// fxfuse/epilogue.py::maximum (NaN wins, as torch's; a tie splits the gradient, a NaN gives it whole to both)
+struct Maximum {
+  static constexpr bool takes_numbers = false;
+  __device__ static float apply(float a, float b) { return maximum(a, b); }
+  __device__ static void partials(float a, float b, float& da, float& db) {
+    da = a < b ? 0.0f : (a == b ? 0.5f : 1.0f);
+    db = a > b ? 0.0f : (a == b ? 0.5f : 1.0f);
+  }
+};
+
+// fxfuse/epilogue.py::minimum (as Maximum)
+struct Minimum {
+  static constexpr bool takes_numbers = false;
+  __device__ static float apply(float a, float b) { return minimum(a, b); }
+  __device__ static void partials(float a, float b, float& da, float& db) {
+    da = a > b ? 0.0f : (a == b ? 0.5f : 1.0f);
+    db = a < b ? 0.0f : (a == b ? 0.5f : 1.0f);
+  }
+};
+
 // ================================================================ per-feature affine of live statistics
 
 // fxfuse/epilogue.py::batch_norm (eval mode; a0 = eps)
@@ -576,7 +603,7 @@ struct Logsumexp {
   X(cos, Cos) X(log_sigmoid, LogSigmoid) X(softsign, Softsign) X(tanhshrink, Tanhshrink) X(threshold, Threshold)       \
   X(hardshrink, Hardshrink) X(softshrink, Softshrink)
 
-#define FXFUSE_BINARY_OPS(X) X(add, Add) X(sub, Sub) X(mul, Mul) X(div, Div)
+#define FXFUSE_BINARY_OPS(X) X(add, Add) X(sub, Sub) X(mul, Mul) X(div, Div) X(maximum, Maximum) X(minimum, Minimum)
 
 #define FXFUSE_FEATURE_AFFINE_OPS(X) X(batch_norm, BatchNorm)
 

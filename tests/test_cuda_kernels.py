@@ -143,7 +143,8 @@ def op_programs(name, n):
         if spec.is_binary:
             # a GEMM output divisor is kept away from 0 (1 / x near 0 amplifies the GEMM's own rounding)
             prefix, v = ("abs(%0);add(%1,1.0);", Value(2)) if name == "div" else ("", Value(0))
-            for a, b in [(v, Param(0)), (Param(0), v), (v, 2.5), (1.5, v), (v, v)]:
+            numbers = [(v, 2.5), (1.5, v)] if spec.takes_numbers else []
+            for a, b in [(v, Param(0)), (Param(0), v), *numbers, (v, v)]:
                 cases.append((prefix + str(Instruction(name, (a, b), ())), "feature"))
             cases.append((str(Instruction(name, (Value(0), Param(0)), ())), "full"))
             cases.append((str(Instruction(name, (Value(0), Param(0)), ())), "row"))
@@ -385,7 +386,8 @@ def chain_program(names, variant):
         attr_values = tuple(attrs[a] for a in spec.attrs)
         current, param = Value(position), Param(sum(2 if kind == "affine" else 1 for kind in kinds))
         if spec.is_binary:
-            operands = [(current, param), (param, current), (current, 2.5), (current, current)][variant % 4]
+            with_number = (current, 2.5) if spec.takes_numbers else (param, current)
+            operands = [(current, param), (param, current), with_number, (current, current)][variant % 4]
             kinds += ["feature"] if param in operands else []
         elif spec.kind == NORM:
             operands = (current,) + tuple(Param(param.index + i) for i in range(len(spec.operands) - 1))
@@ -695,11 +697,11 @@ def test_errors_are_eager_errors():
 
 # Hand-written programs whose references raise TypeError (the pass never writes them): a None or a string where the
 # op takes a number, a number or None for gelu's string, a float or a bool where the op takes an integer dim or
-# group count.
+# group count, a number for an operand of torch.maximum / minimum (which take tensors).
 BAD_ATTRIBUTE_PROGRAMS = ["hardtanh(%0,None,2.0)", "leaky_relu(%0,None)", "softplus(%0,None,20.0)", "pow(%0,None)",
                           "hardtanh(%0,'tanh',2.0)", "gelu(%0,1.0)", "gelu(%0,None)",
                           "sum(%0,-1.0,True)", "amin(%0,True,True)", "softmax(%0,-1.0)", "logsumexp(%0,1.0,False)",
-                          "group_norm(%0,$0,$1,5.0,1e-05)"]
+                          "group_norm(%0,$0,$1,5.0,1e-05)", "maximum(%0,2.5)", "minimum(1.5,%0)"]
 
 
 @pytest.mark.parametrize("op", ["gemm_epilogue", "gemm_epilogue_train"])

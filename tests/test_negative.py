@@ -2041,9 +2041,22 @@ def test_a_child_called_with_a_keyword_argument_is_optimized_for_it():
         assert_close_report(optimized(x), model(x))
 
 
-def test_elementwise_max_of_two_tensors_says_what_it_is():
+def test_elementwise_max_of_two_tensors_is_maximum():
     model = GemmThen(lambda m, x, y: torch.max(m.fc(x), m.floor), floor=torch.randn(OUT))
-    assert_not_fused(model, (rows(),), reason="elementwise max/min of two tensors is not an epilogue op")
+    optimized = assert_whole_chain_fused(model, (rows(),))
+    assert fused_programs(optimized) == ["maximum(%0,$0)"]
+
+
+@pytest.mark.parametrize("spelling", ["torch.maximum(h, 0.5)", "torch.max(h, h, keepdim=True)"])
+def test_elementwise_max_that_eager_refuses_is_not_fused_and_raises_as_eager(spelling):
+    epilogue = eval(f"lambda h: {spelling}", {"torch": torch})
+    model = GemmThen(lambda m, x, y: epilogue(m.fc(x)))
+    optimized = fxfuse.optimize(model)
+    assert not optimized.fxfuse_report.fused
+    with pytest.raises((TypeError, RuntimeError)):
+        model(rows())
+    with pytest.raises((TypeError, RuntimeError)):
+        optimized(rows())
 
 
 # ---------------------------------------------------------------- in-place changes the graph does not name (review)
