@@ -19,6 +19,7 @@
 //
 // Host code only, compiled by the C++ compiler (gemm_epilogue.cpp says why).
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/util/accumulate.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
@@ -137,10 +138,12 @@ Tensors linear_gradients(const at::Tensor& grad_y, const at::Tensor& x, const at
                          const c10::List<bool>& needs, const std::vector<int64_t>& dtypes) {
   const auto dtype = [&](int i) { return static_cast<at::ScalarType>(dtypes[i]); };
   const at::ScalarType compute = grad_y.scalar_type();
-  const at::Tensor grad_rows = grad_y.reshape({-1, grad_y.size(-1)});
+  // the rows counted, not -1: a reshape of no elements to (-1, 0) is ambiguous (no input or output features)
+  const int64_t rows = c10::multiply_integers(grad_y.sizes().slice(0, grad_y.dim() - 1));
+  const at::Tensor grad_rows = grad_y.reshape({rows, grad_y.size(-1)});
   Tensors grads;
   if (needs.get(0)) grads.push_back(at::matmul(grad_y, weight.to(compute)).to(dtype(0)));
-  if (needs.get(1)) grads.push_back(grad_rows.t().mm(x.reshape({-1, x.size(-1)}).to(compute)).to(dtype(1)));
+  if (needs.get(1)) grads.push_back(grad_rows.t().mm(x.reshape({rows, x.size(-1)}).to(compute)).to(dtype(1)));
   if (needs.get(2)) grads.push_back(grad_rows.sum(0).to(dtype(2)));
   return grads;
 }

@@ -142,9 +142,25 @@ def check_inference_tensors() -> None:
         check_an_inference_tensor_that_eager_does_not_save_trains(mode, made)
 
 
+def check_empty_features() -> None:
+    """A linear of no input or no output features (a dim of 0 last): its gradients are eager's empty or zero ones;
+    the formula reshaped them to (-1, 0), which a tensor of no elements cannot resolve."""
+    for (k, n), kind in itertools.product([(3, 0), (0, 5)], OPS):
+        grads = []
+        for fused in (True, False):
+            torch.manual_seed(0)
+            x, weight, bias = (torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+                               for shape in ((2, 4, k), (n, k), (n,)))
+            result = (OPS[kind] if fused else run_reference_train)(x, weight, bias, [], "relu(%0)")
+            out = result[0] if isinstance(result, tuple) else result
+            grads.append(torch.autograd.grad(out.sum(), [x, weight, bias]))
+        for i, (actual, expected) in enumerate(zip(*grads)):
+            assert_close_report(actual, expected, rtol=0, atol=0, what=f"{kind} k={k} n={n}: gradient {i}")
+
+
 CHECKS = {"node": check_node, "gradients": check_gradients, "second-order": check_second_order,
           "compiled-autograd": check_compiled_autograd, "autocast": check_autocast,
-          "inference-tensors": check_inference_tensors}
+          "inference-tensors": check_inference_tensors, "empty-features": check_empty_features}
 
 if __name__ == "__main__":
     load(sys.argv[1])

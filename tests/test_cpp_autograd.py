@@ -25,7 +25,7 @@ def build_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("check", ["node", "gradients", "second-order", "compiled-autograd", "autocast",
-                                   "inference-tensors"])
+                                   "inference-tensors", "empty-features"])
 def test_cpp_autograd_formula_on_the_cpu(build_dir, check):
     run = subprocess.run([sys.executable, str(CHECKS_SCRIPT), str(build_dir), check], capture_output=True,
                          text=True, timeout=600)
