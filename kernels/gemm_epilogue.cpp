@@ -231,14 +231,14 @@ bool coalesce_tail(const Shape& out_shape, const std::vector<at::Tensor>& operan
   }
   if (dims.empty()) dims.push_back(Dim{1, std::vector<int64_t>(operands.size(), 0)});
   if (dims.size() > static_cast<size_t>(kMaxTailDims)) return false;
+  int64_t numel = 1;  // checked before the sizes are cast to 32 bits: a dim of 2^32 would divide by 0 below
+  for (const Dim& dim : dims) numel *= dim.size;
+  if (numel >= (int64_t{1} << 31)) return false;
   tail.ndim = static_cast<int32_t>(dims.size());
-  int64_t numel = 1;
   for (size_t d = 0; d < dims.size(); ++d) {
     tail.sizes[d] = static_cast<uint32_t>(dims[d].size);
     tail.divisors[d].set(tail.sizes[d]);
-    numel *= dims[d].size;
   }
-  if (numel >= (int64_t{1} << 31)) return false;
   tail.numel = static_cast<uint32_t>(numel);
   const int64_t vec = 16 / operands[0].element_size();
   for (size_t k = 0; k < operands.size(); ++k) {

@@ -828,3 +828,27 @@ def test_a_param_that_broadcasts_the_output_to_nothing(n, shape, program):
     code = EMPTY_OUTPUT.format(n=n, shape=shape, program=program)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "ok" in result.stdout, (result.returncode, result.stderr[-2000:])
+
+
+HUGE_TAIL_DIM = """
+import torch
+from fxfuse import kernels
+from fxfuse.program import run_reference
+assert kernels.load()
+x, weight = torch.randn(1, 16, device="cuda", dtype=torch.half), torch.randn(8, 16, device="cuda", dtype=torch.half)
+params = [torch.randn(1, device="cuda", dtype=torch.half).expand(2 ** 32)]  # no memory of its own
+program = "amin(%0,-1,True);add(%1,$0)"
+expected = run_reference(x[:, :], weight, None, [params[0][:8]], program)  # (1, 8): every element the same
+out = torch.ops.fxfuse.gemm_epilogue(x, weight, None, params, program)  # (1, 2^32): 8 GiB
+assert out.shape == (1, 2 ** 32)
+assert out.amin().item() == out.amax().item() == expected[0, 0].item()
+torch.cuda.synchronize()
+print("ok")
+"""
+
+
+def test_a_broadcast_tail_dim_of_two_to_the_32_falls_back():
+    """A broadcast tail whose coalesced dim is 2^32 long: its size was cast to 32 bits (0) and the host divided by it
+    (SIGFPE) before the check that the output fits 31 bits. A process of its own, so that a crash fails this alone."""
+    result = subprocess.run([sys.executable, "-c", HUGE_TAIL_DIM], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "ok" in result.stdout, (result.returncode, result.stderr[-2000:])
