@@ -135,8 +135,9 @@ bool parse_token(const std::string& text, Token& token) {
   if (text.empty()) return false;
   char* end = nullptr;
   if (text[0] == '%' || text[0] == '$') {
-    const long index = std::strtol(text.c_str() + 1, &end, 10);
-    if (end == text.c_str() + 1 || *end != '\0' || index < 0) return false;
+    const long long index = std::strtoll(text.c_str() + 1, &end, 10);
+    // past int's range the index would wrap (%4294967296 read as %0): the reference's error then runs instead
+    if (end == text.c_str() + 1 || *end != '\0' || index < 0 || index > std::numeric_limits<int>::max()) return false;
     token.kind = text[0] == '%' ? Token::Value : Token::Param;
     token.index = static_cast<int>(index);
     return true;

@@ -684,6 +684,15 @@ def test_an_in_place_instruction_that_changes_no_value_raises_the_references_err
         torch.ops.fxfuse.gemm_epilogue(x, weight, bias, [torch.randn(30, device="cuda")], program)
 
 
+@pytest.mark.parametrize("program, error", [("add(%0,$4294967296)", IndexError), ("relu(%4294967296)", ValueError)])
+def test_an_index_past_int_raises_the_references_error(program, error):
+    """The parser read a value or param index into an int: %4294967296 wrapped to %0 and the kernels computed
+    relu(%0), $4294967296 read $0, where the reference raises."""
+    x, weight, bias = linear_inputs(8, 16, 30, torch.float32)
+    with pytest.raises(error):
+        torch.ops.fxfuse.gemm_epilogue(x, weight, bias, [torch.randn(30, device="cuda")], program)
+
+
 def test_errors_are_eager_errors():
     x, weight, bias = linear_inputs(8, 16, 30, torch.float32)
     params = [torch.randn(30, device="cuda"), torch.randn(30, device="cuda")]
