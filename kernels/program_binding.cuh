@@ -153,6 +153,8 @@ bool parse_token(const std::string& text, Token& token) {
     token.number = text == "True" ? 1.0 : 0.0;
     return true;
   }
+  // strtod also reads hexadecimal (0x10) and NaN payloads (nan(1)), which program.py's float() refuses
+  if (text.find_first_of("xX(") != std::string::npos) return false;
   std::strtoll(text.c_str(), &end, 10);  // read only to see whether an integer spans the whole text
   token.integer = *end == '\0';
   token.number = std::strtod(text.c_str(), &end);

@@ -693,6 +693,17 @@ def test_an_index_past_int_raises_the_references_error(program, error):
         torch.ops.fxfuse.gemm_epilogue(x, weight, bias, [torch.randn(30, device="cuda")], program)
 
 
+@pytest.mark.parametrize("program", ["mul(%0,0x10)", "mul(%0,nan(1))", "hardtanh(%0,-0X1p0,1.0)"])
+def test_a_number_the_reference_does_not_read_raises_its_error(program):
+    """strtod reads hexadecimal numbers and NaN payloads, which program.py's float() refuses: the kernels computed
+    mul(%0,0x10) as a multiply by 16 where the reference raises ValueError."""
+    x, weight, bias = linear_inputs(8, 16, 30, torch.float32)
+    with pytest.raises(ValueError):
+        run_reference(x, weight, bias, [], program)
+    with pytest.raises(ValueError):
+        torch.ops.fxfuse.gemm_epilogue(x, weight, bias, [], program)
+
+
 def test_errors_are_eager_errors():
     x, weight, bias = linear_inputs(8, 16, 30, torch.float32)
     params = [torch.randn(30, device="cuda"), torch.randn(30, device="cuda")]
