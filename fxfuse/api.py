@@ -227,6 +227,16 @@ def assert_is_none(value, message: str) -> None:
         raise AssertionError(message)
 
 
+def require_traced_as_tensor(value, name: str) -> None:
+    """Called by optimize()'s graphs first for an argument that defaults to None, was a tensor in the example
+    inputs, and picks the forward's code by being None (`if mask is not None:`): the graph ran the tensor's."""
+    if value is None:
+        raise RuntimeError(f"fxfuse: `{name}` was a tensor in the example inputs, so the model was optimized for the "
+                           f"code its forward runs for a tensor there, not for None: run fxfuse.optimize() with None "
+                           f"for `{name}` in the example inputs for the calls without it (or use "
+                           "torch.compile(model, backend='fxfuse'), which recompiles for None)")
+
+
 class _Tracer(fx.Tracer):
     """fx's tracer, with these kept as one call each: a model fxfuse already optimized (its graph checks at each
     call that the modules it folded keep their modes and settings, which tracing through it would run once, at
@@ -235,7 +245,7 @@ class _Tracer(fx.Tracer):
 
     def __init__(self):
         # Calls of their own in a graph traced again.
-        super().__init__(autowrap_functions=(*GRAPH_HELPERS, assert_is_none))
+        super().__init__(autowrap_functions=(*GRAPH_HELPERS, assert_is_none, require_traced_as_tensor))
         # Buffers as graph reads, not their trace-time values: fx otherwise runs `self.buf.exp()` once, at trace
         # time, and keeps the result as a constant that load_state_dict, fill_ or .half() never reach.
         self.proxy_buffer_attributes = True
@@ -284,6 +294,8 @@ def _trace(model: nn.Module, given_inputs: int | None, given_nones: Sequence[str
             tracer, graph = _traced(model, concrete)
             if given_inputs is None:
                 _check_optional_arguments(model, graph)
+            else:
+                _guard_optional_arguments(model, graph, concrete)
             gm = FusedGraphModule(tracer.root, graph, class_name=type(model).__name__)  # (takes the constants)
             if _traced_otherwise_in_the_other_modes(model, concrete, graph):
                 gm.traced_training = ({path: m.training for path, m in model.named_modules()}, None)
@@ -352,6 +364,25 @@ def _check_optional_arguments(model: nn.Module, graph: fx.Graph) -> None:
     if _ops_run(with_none) != _ops_run(graph):
         raise RuntimeError(f"its forward runs other code for `{read[0]}` None (its default) and for a tensor, "
                            "which a trace without example inputs can't tell apart (pass example inputs)")
+
+
+def _guard_optional_arguments(model: nn.Module, graph: fx.Graph, concrete: dict) -> None:
+    """With example inputs, an argument that defaults to None and was given a tensor is traced as a tensor: where a
+    trace with it None runs other ops (or none can be made), `graph` checks first at each call that it is no None."""
+    placeholders = {node.target: node for node in graph.nodes if node.op == "placeholder"}
+    ops = _ops_run(graph)
+    for name in _none_defaults(model, 0):
+        node = placeholders.get(name)
+        if name in concrete or node is None or not node.users:
+            continue
+        try:
+            _, with_none = _traced(model, {**concrete, name: None})
+            same = _ops_run(with_none) == ops
+        except Exception:
+            same = False
+        if not same:
+            with graph.inserting_before(next(n for n in graph.nodes if n.op != "placeholder")):
+                graph.call_function(require_traced_as_tensor, (node, name))
 
 
 def _ops_run(graph: fx.Graph) -> list:

@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from fxfuse.api import assert_is_none
+from fxfuse.api import assert_is_none, require_traced_as_tensor
 from fxfuse.library import FUSED_OPS, gemm_epilogue_train
 from fxfuse.rewrite import GRAPH_HELPERS
 from fxfuse.testing import assert_fuses
@@ -54,7 +54,8 @@ def leftover_compute(module: nn.Module) -> list[str]:
         for node in graph_module.graph.nodes:
             if node.op in _BOOKKEEPING:
                 continue
-            if node.target in (*FUSED_OPS, *GRAPH_HELPERS, assert_is_none):  # the check of an argument traced as None
+            # (the checks of an argument traced as None, or as a tensor that picked the code)
+            if node.target in (*FUSED_OPS, *GRAPH_HELPERS, assert_is_none, require_traced_as_tensor):
                 continue
             if node.target is operator.getitem and node.args[0].target is gemm_epilogue_train:
                 continue

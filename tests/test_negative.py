@@ -1073,6 +1073,21 @@ def test_an_argument_left_out_of_the_example_inputs_is_traced_as_its_none_defaul
         optimized(x, torch.ones(OUT))
 
 
+
+def test_an_argument_that_defaults_to_none_given_a_tensor_is_guarded_against_none():
+    """Given a tensor, `mask` was traced as one and took the `is not None` branch; a later default call raised the
+    fused op's schema error ("Expected a value of type 'List[Tensor]' for argument 'params'") where eager runs the
+    other branch. It raises fxfuse's error instead, in copies too; a tensor still runs."""
+    model, x, mask = OptionalMask().eval(), rows(), torch.rand(OUT)
+    optimized = fxfuse.optimize(model, (x, torch.ones(OUT)))
+    assert fused_programs(optimized) == ["gelu(%0,'none');mul(%1,$0)"]
+    assert_close_report(optimized(x, mask), model(x, mask))
+    for each in (optimized, copy.deepcopy(optimized)):
+        with pytest.raises(RuntimeError, match="`mask` was a tensor in the example inputs"):
+            each(x)
+        with pytest.raises(RuntimeError, match="`mask` was a tensor in the example inputs"):
+            each(x, mask=None)
+
 @pytest.mark.parametrize("hook", ["forward hook", "forward pre-hook"])
 def test_a_module_with_hooks_is_not_fused(hook):
     model, x = nn.Sequential(nn.Linear(IN, OUT), nn.ReLU()), rows()
