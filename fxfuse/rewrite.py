@@ -6,6 +6,7 @@ get ``gemm_epilogue_train`` (whose backward reuses the GEMM output it keeps), ot
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import math
 import numbers
@@ -122,6 +123,69 @@ def require_settings(x, module: nn.Module, path: str, settings: dict, kind: str,
                                "fxfuse.optimize() on the model again")
 
 
+# Stand-ins in the op that require_param replays: the param (None there) and the op's other tensors.
+_NONE, _TENSOR = "<fxfuse: the param>", "<fxfuse: a tensor>"
+
+
+def require_param(x, value, what: str, op: str, args: tuple, kwargs: dict) -> None:
+    """Called by optimize()'s rewritten graphs for each param of a fused op that is a forward argument or a tensor of
+    no folded module (the root's `self.bias`), as the op `op` (a dotted name, or `.name` for a method of its first
+    argument) read it: for None, eager's own error, raised by that op on `args` and `kwargs` with None for the param
+    and a 0-d tensor for the others; else, where the op takes None (it computes something else then), fxfuse's."""
+    if value is not None:
+        return
+
+    def stand_in(a):
+        if isinstance(a, (tuple, list)):
+            return type(a)(stand_in(b) for b in a)
+        return None if a == _NONE else x.new_zeros(()) if a == _TENSOR else a
+
+    args, kwargs = stand_in(args), {name: stand_in(a) for name, a in kwargs.items()}
+    try:
+        if op is None:
+            pass
+        elif op.startswith("."):
+            getattr(args[0], op[1:])(*args[1:], **kwargs)
+        else:
+            module, name = op.rsplit(".", 1)
+            getattr(importlib.import_module(module), name)(*args, **kwargs)
+    except TypeError:
+        raise  # eager's error for None there
+    except Exception:
+        pass
+    again = "with None for it in the example inputs" if what.startswith("the forward argument") else \
+        "on the model again"
+    raise RuntimeError(f"fxfuse: {what} was a tensor when it was fused and is now None, which its fused op can't "
+                       f"take; run fxfuse.optimize() {again}")
+
+
+def _dotted_name(function) -> str | None:
+    """The name require_param finds `function` by again (`operator.add`, `torch.add`); None if there is none."""
+    module, name = getattr(function, "__module__", None), getattr(function, "__name__", None)
+    if not isinstance(module, str) or not isinstance(name, str):
+        return None
+    for prefix in (module, module.lstrip("_")):  # (operator's functions are _operator's)
+        try:
+            if getattr(importlib.import_module(prefix), name, None) is function:
+                return f"{prefix}.{name}"
+        except ImportError:
+            pass
+    return None
+
+
+def _param_read(member: fx.Node, param: fx.Node) -> tuple:
+    """(op, args, kwargs) of `member`, which reads `param`, as require_param replays them; None for a module's call."""
+    if member.op == "call_method":
+        op = "." + member.target
+    else:
+        op = _dotted_name(member.target) if member.op == "call_function" else None
+
+    def marked(a):
+        return _NONE if a is param else _TENSOR
+
+    return op, fx.node.map_arg(member.args, marked), fx.node.map_arg(member.kwargs, marked)
+
+
 # The GEMM spellings a forward argument can be the input of, by the name require_tensor takes.
 _GEMM_CALLS = {"linear": torch.nn.functional.linear, "matmul": torch.matmul, "@": operator.matmul, "mm": torch.mm,
                "addmm": lambda x, weight: torch.addmm(weight, x, weight)}
@@ -227,8 +291,8 @@ def _maybe_number(node, shapes_guarded: bool) -> bool:
 
 
 # What a rewritten graph calls beside its fused ops.
-GRAPH_HELPERS = (require_tensor, require_eval_mode, require_settings, require_matrix, require_rank, require_dtype,
-                 require_no_function_transform, number_as_tensor, augmented_assignment)
+GRAPH_HELPERS = (require_tensor, require_param, require_eval_mode, require_settings, require_matrix, require_rank,
+                 require_dtype, require_no_function_transform, number_as_tensor, augmented_assignment)
 
 
 def _copy_meta(node: fx.Node, source: fx.Node, keys) -> None:
@@ -247,6 +311,7 @@ def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool,
             graph.call_function(require_tensor, (region.x, _gemm_spelling(region.anchor)))
         # The region relied on these modules' mode and settings: a later .train() or change must not go unnoticed.
         read = {module_tensor_path(p) for p in (*region.params, region.bias)} - {None}
+        checked = set()  # the paths of `read` that require_settings checks
         for member in region.members:
             if member.op != "call_module":
                 continue
@@ -258,8 +323,19 @@ def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool,
             # (the GEMM's weight and bias are the op's own arguments: None there raises eager's error, or has no bias)
             tensors = () if member is region.anchor else \
                 tuple(name for name in (*module._parameters, *module._buffers) if f"{member.target}.{name}" in read)
+            checked.update(f"{member.target}.{name}" for name in tensors)
             graph.call_function(require_settings, (region.x, graph.get_attr(member.target), member.target, settings,
                                                    kind_of(module), *((tensors,) if tensors else ())))
+        # A param the fused op reads of no folded module (whose require_settings checks it), or a forward argument:
+        # None there reached the op's Tensor[] params, where eager's op raises (or computes without it).
+        for p in region.params:
+            if not isinstance(p, fx.Node) or not ((p.op == "placeholder" and not shapes_guarded) or
+                                                  (p.op == "get_attr" and p.target not in checked)):
+                continue
+            reader = next((m for m in region.members if p in m.all_input_nodes), None)
+            op, args, kwargs = _param_read(reader, p) if reader is not None else (None, (), {})
+            what = f"the forward argument `{p.target}`" if p.op == "placeholder" else f"`{p.target}`"
+            graph.call_function(require_param, (region.x, p, what, op, args, kwargs))
         if region.check_matrix:
             op = "addmm" if region.anchor.target is torch.addmm else "mm"
             graph.call_function(require_matrix, (region.x, op))

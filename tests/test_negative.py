@@ -1720,6 +1720,65 @@ def test_a_tensor_that_a_fused_op_reads_set_to_none_later_is_guarded(norm, chang
         optimized(rows())
 
 
+
+class RootBias(nn.Module):
+    """A parameter of the root's own, read by a fused op (a graph get_attr of the root, folded into no module)."""
+
+    def __init__(self, spelling):
+        super().__init__()
+        self.fc, self.spelling = nn.Linear(IN, OUT), spelling
+        self.bias = nn.Parameter(torch.randn(OUT))
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.spelling == "+":
+            h = h + self.bias
+        elif self.spelling == "reflected":
+            h = self.bias + h
+        elif self.spelling == "torch.add":
+            h = torch.add(h, other=self.bias)
+        else:
+            h = h.mul(self.bias)
+        return torch.relu(h)
+
+
+class ScaledBy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(IN, OUT)
+
+    def forward(self, x, scale=None):
+        return torch.relu(self.fc(x)) * scale
+
+
+def raised(function, *args):
+    try:
+        function(*args)
+    except Exception as error:
+        return type(error), str(error)
+    raise AssertionError("no error raised")
+
+
+@pytest.mark.parametrize("spelling", ["+", "reflected", "torch.add", ".mul"])
+def test_a_root_tensor_that_a_fused_op_reads_set_to_none_later_raises_eagers_error(spelling):
+    """`o.bias = None` for the root's own parameter, which the fused op reads as a param: the op schema's error
+    ("Expected a value of type 'List[Tensor]' for argument 'params'") where eager raises TypeError from `h + None`."""
+    model, x = RootBias(spelling).eval(), rows()
+    optimized = fxfuse.optimize(model, (x,))
+    assert fused_op_count(optimized) == 1
+    optimized.bias = model.bias = None
+    assert raised(optimized, x) == raised(model, x)
+
+
+def test_a_forward_argument_read_by_a_fused_op_given_none_raises_eagers_error():
+    """An argument that defaults to None but picks no code, given a tensor in the example inputs and None later:
+    eager's `h * None` raises TypeError, which the fused op's schema error stood for."""
+    model, x = ScaledBy().eval(), rows()
+    optimized = fxfuse.optimize(model, (x, torch.ones(OUT)))
+    assert fused_op_count(optimized) == 1
+    assert raised(optimized, x) == raised(model, x)
+
+
 class LinearReLU(nn.Module):
     def __init__(self):
         super().__init__()
