@@ -4,7 +4,7 @@ Entry points: ``idiom`` (the decorator that declares one; ``fxfuse.patterns`` ho
 user code may declare more, without editing fxfuse) and ``apply_idioms`` (called by canonicalization).
 
 An idiom is a plain function. Its positional parameters stand for any tensor; its keyword-only parameters
-stand for any Python number and are captured as the canonical op's attributes. ``idiom``'s keywords fix the
+stand for any finite Python number and are captured as the canonical op's attributes. ``idiom``'s keywords fix the
 op's other attributes, or operands that the spelling leaves out (``weight=None``). The function is traced with
 torch.fx and canonicalized like a model, so it matches every spelling of the ops it is written with. The
 match is a subgraph monomorphism (networkx) of the idiom's DAG into the model's DAG around each candidate
@@ -177,6 +177,8 @@ def _pairs_agree(pairs, mapping, idiom: Idiom, captured: dict) -> bool:
             if isinstance(m, bool) or not isinstance(m, (int, float)):
                 return False
             m = int(m) if isinstance(m, int) else float(m)  # NumPy's numbers as Python's
+            if not math.isfinite(m):  # inf * 0 or a NaN in a discarded branch: the formula's values part from the op's
+                return False
             name = idiom.scalar_inputs[p]
             if name in captured and not _same_number(captured[name], m):
                 return False

@@ -12,7 +12,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from epilogue_models import GemmThen, assert_whole_chain_fused, fused_programs
-from fxfuse.testing import assert_close_report
+import fxfuse
+from fxfuse.testing import assert_close_report, assert_gradients_match
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
@@ -163,3 +164,40 @@ def test_workload_2_broadcasts_to_the_larger_output():
     (x,) = module.get_inputs()
     optimized = assert_whole_chain_fused(model, (x,))
     assert optimized(x).shape == (1, module.out_features, module.batch_size, 1)
+
+
+# ---------------------------------------------------------------- idioms at edge values, gradients included
+
+
+def gemm_giving(epilogue, values, dtype=torch.float32):
+    """A model in train mode whose GEMM output is exactly `values` in every row (zero weight, `values` as bias)."""
+    model = GemmThen(epilogue, in_features=4, out_features=len(values))
+    with torch.no_grad():
+        model.fc.weight.zero_()
+        model.fc.bias.copy_(torch.tensor(values))
+    return model.to(dtype).train()
+
+
+INF, NAN = float("inf"), float("nan")
+IDIOM_EDGES = {
+    # the slope of a where-spelled leaky_relu multiplies the discarded branch too: its NaN makes every gradient NaN
+    "where(h>0,h,nan*h)": (lambda m, x, y: (lambda h: torch.where(h > 0, h, NAN * h))(m.fc(x)),
+                           [2.0, 1.0, -1.0, 0.5], torch.float32),
+    "where(h>0,h,inf*h)": (lambda m, x, y: (lambda h: torch.where(h > 0, h, INF * h))(m.fc(x)),
+                           [2.0, 1.0, -1.0, 0.5], torch.float32),
+    # inf * (exp(0) - 1) is NaN where elu(0) is 0
+    "where(h>0,h,inf*(exp(h)-1))": (lambda m, x, y: (lambda h: torch.where(h > 0, h, INF * (h.exp() - 1.0)))(m.fc(x)),
+                                    [0.0, 1.0, -1.0, 0.5], torch.float32),
+}
+
+
+@pytest.mark.parametrize("name", list(IDIOM_EDGES))
+def test_spelled_out_ops_match_eager_at_edge_values_gradients_included(name):
+    """Where an idiom's formula and its op part at some values (a non-finite captured number, an intermediate that
+    overflows), the optimized model still gives eager's results and gradients there, NaN and inf in place."""
+    epilogue, values, dtype = IDIOM_EDGES[name]
+    model = gemm_giving(epilogue, values, dtype)
+    x = torch.randn(3, 4, dtype=dtype)
+    optimized = fxfuse.optimize(model, (x,))
+    assert_close_report(optimized(x), model(x))
+    assert_gradients_match(model, optimized, (x,))
