@@ -265,9 +265,14 @@ def _plain_scalar(operand):
     return operand
 
 
+_SCALAR_INTS = range(-2**63, 2**64)  # the ints eager's parser takes for a Scalar argument: int64's and uint64's
+
+
 def _number(value, what):
     if isinstance(value, bool) or not isinstance(value, numbers.Real):  # NumPy's reals are numbers.Real too
         raise NotFusible(f"{what} is not a Python number")
+    if isinstance(value, numbers.Integral) and int(value) not in _SCALAR_INTS:
+        raise NotFusible(f"{what} {value} does not fit a 64-bit int (eager raises)")
     return float(value)
 
 

@@ -769,6 +769,12 @@ EAGER_ERRORS = {
     "log_softmax-over-a-bool-dim": (lambda m, x, y: m.fc(x).log_softmax(True), TypeError),
     "sum-with-an-int-keepdim": (lambda m, x, y: m.fc(x).sum(1, 1), TypeError),
     "max-with-an-int-keepdim": (lambda m, x, y: m.fc(x).max(1, 1)[0], TypeError),
+    # a scalar argument is a 64-bit int or a double: a Python int past [-2**63, 2**64) overflows the parser
+    "clamp-at-minus-2**64": (lambda m, x, y: torch.clamp(m.fc(x), -2**64), OverflowError),
+    "leaky_relu-of-slope-2**64": (lambda m, x, y: F.leaky_relu(m.fc(x), 2**64), OverflowError),
+    "pow-of-2**64": (lambda m, x, y: m.fc(x) ** 2**64, OverflowError),
+    "softplus-of-threshold-2**64": (lambda m, x, y: F.softplus(m.fc(x), 1, 2**64), OverflowError),
+    "rrelu-between-minus-and-plus-2**64": (lambda m, x, y: F.rrelu(m.fc(x), -2**64, 2**64), OverflowError),
 }
 
 
