@@ -140,8 +140,9 @@ def _build(op: str, attrs: dict, function: Callable, dtypes: tuple | None = None
 
 
 def _same_number(a, b) -> bool:
+    # Relative only: a 0 (a where's threshold) is exactly 0, as `h > 1e-12` is another function than `h > 0`.
     if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
-        return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-12)
+        return math.isclose(a, b, rel_tol=1e-6)
     return a == b
 
 

@@ -188,6 +188,9 @@ IDIOM_EDGES = {
     # inf * (exp(0) - 1) is NaN where elu(0) is 0
     "where(h>0,h,inf*(exp(h)-1))": (lambda m, x, y: (lambda h: torch.where(h > 0, h, INF * (h.exp() - 1.0)))(m.fc(x)),
                                     [0.0, 1.0, -1.0, 0.5], torch.float32),
+    # a threshold of 1e-12 is not leaky_relu's 0: between them eager's slope is 0.2, leaky_relu's 1
+    "where(h>1e-12,h,0.2*h)": (lambda m, x, y: (lambda h: torch.where(h > 1e-12, h, 0.2 * h))(m.fc(x)),
+                               [5e-13, 1e-13, -1.0, 2.0], torch.float32),
 }
 
 
