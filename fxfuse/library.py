@@ -27,8 +27,9 @@ Under torch.autocast the two fused ops have autocast kernels (``_autocast_kernel
 have none: autocast is off in a backward, and the fallbacks are called below it).
 
 Every device runs the reference interpreter, except CUDA once ``fxfuse.kernels`` has loaded its kernels, whose
-``TORCH_LIBRARY_IMPL(fxfuse, CUDA, ...)`` takes precedence. The fake implementations are the same references
-run on fake tensors, so shapes, dtypes and broadcasting are eager's by construction.
+``TORCH_LIBRARY_IMPL(fxfuse, CUDA, ...)`` takes precedence (the first CUDA call of a fused op loads them). The
+fake implementations are the same references run on fake tensors, so shapes, dtypes and broadcasting are eager's
+by construction.
 """
 from __future__ import annotations
 
@@ -322,11 +323,26 @@ def _define(name: str, schema: str, implementation, fake=None, backward=None, se
             _library.impl(name, _autocast_kernel(op, implementation, device_type), key)
 
 
+def _loading_cuda_kernels(name: str, reference):
+    """`reference`, which runs wherever op `name` has no kernel of its own; for CUDA tensors the first call in a
+    process loads fxfuse's kernels and, if they load, runs the op again, on them (a model optimized on the CPU and
+    then moved to the GPU ran the reference at every call: only optimize() and the backend loaded them)."""
+    def run(x, *args):
+        if x.is_cuda and not isinstance(x, torch._subclasses.FakeTensor):
+            from fxfuse import kernels
+            if not kernels.loaded() and kernels.load():
+                return getattr(torch.ops.fxfuse, name).default(x, *args)
+        return reference(x, *args)
+    return run
+
+
 _inference = functools.partial(_define, backward=_backward, setup_context=_setup_context)
 _training = functools.partial(_define, backward=_train_backward, setup_context=_setup_train_context)
-_inference("gemm_epilogue", f"({ARGS}) -> Tensor", run_reference, autocast=True)
+_inference("gemm_epilogue", f"({ARGS}) -> Tensor", _loading_cuda_kernels("gemm_epilogue", run_reference),
+           fake=run_reference, autocast=True)
 _inference("gemm_epilogue_fallback", f"({ARGS}, str reason) -> Tensor", _logged(run_reference, "gemm_epilogue"))
-_training("gemm_epilogue_train", f"({ARGS}) -> (Tensor, Tensor)", run_reference_train, autocast=True)
+_training("gemm_epilogue_train", f"({ARGS}) -> (Tensor, Tensor)",
+          _loading_cuda_kernels("gemm_epilogue_train", run_reference_train), fake=run_reference_train, autocast=True)
 _training("gemm_epilogue_train_fallback", f"({ARGS}, str reason) -> (Tensor, Tensor)",
           _logged(run_reference_train, "gemm_epilogue_train"))
 # The gradients for the inputs flagged in needs_grad, in the order of the tensors before it.

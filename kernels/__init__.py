@@ -1,6 +1,7 @@
 """Builds and loads the CUDA implementation of ``torch.ops.fxfuse.gemm_epilogue``.
 
-Entry points: ``load()`` (call before running the fused op on a GPU; cheap once loaded) and ``supported_ops()``.
+Entry points: ``load()`` (optimize(), the backend and the fused ops' first CUDA call run it; cheap once loaded),
+``loaded()`` and ``supported_ops()``.
 
 The sources (``*.cu``, ``*.cuh``, and the host-only ``*.cpp`` here) are compiled once with
 ``torch.utils.cpp_extension`` and ninja for the visible GPUs' architectures into a cache directory
@@ -78,6 +79,11 @@ def _find_nvcc() -> str | None:
     if candidate and os.path.exists(candidate):
         return candidate
     return shutil.which("nvcc")
+
+
+def loaded() -> bool:
+    """Whether this process has loaded the kernels (load() returned True)."""
+    return _loaded
 
 
 def load() -> bool:

@@ -765,6 +765,19 @@ def test_two_processes_building_at_once_share_one_build(tmp_path):
     assert "fxfuse: built the CUDA kernels in" in builders[0]
 
 
+def test_a_model_optimized_on_the_cpu_then_moved_to_the_gpu_runs_the_kernels():
+    """Only optimize() and the backend loaded the kernels: such a model ran the reference at every call."""
+    script = ("import torch, torch.nn as nn, fxfuse, fxfuse.kernels as k; torch.manual_seed(0); "
+              "model = nn.Sequential(nn.Linear(24, 40), nn.GroupNorm(4, 40), nn.Hardtanh()).eval(); "
+              "optimized = fxfuse.optimize(model, (torch.randn(5, 24),)); assert not k.loaded(); "
+              "model.cuda(); x = torch.randn(5, 24, device='cuda'); out = optimized(x); "
+              "assert k.loaded() and torch._C._dispatch_has_kernel_for_dispatch_key('fxfuse::gemm_epilogue', 'CUDA'); "
+              "torch.testing.assert_close(out, model(x)); print('ran the kernels')")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=dict(os.environ),
+                            timeout=900)
+    assert result.returncode == 0 and "ran the kernels" in result.stdout, result.stderr[-2000:]
+
+
 def test_load_is_cheap_once_loaded():
     start = time.perf_counter()
     for _ in range(100):
