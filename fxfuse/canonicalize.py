@@ -570,6 +570,7 @@ _VALUES_OF = {"max": "max_dim", "min": "min_dim"}
 
 
 def _max_min(a, elementwise_op: str):
+    """torch.max / torch.min: of two tensors, `elementwise_op`; over a dim, fused through its values (_values_of)."""
     if isinstance(a["dim"], fx.Node) and not surely_not_tensor(a["dim"]):  # torch.max(h, other): elementwise
         if a["keepdim"] is not False:
             raise NotFusible(f"{elementwise_op} of two tensors with keepdim (eager raises)")
@@ -600,6 +601,7 @@ def _minimum(a, inplace):
 
 
 def _elementwise_extreme(a, op):
+    """torch.maximum / torch.minimum, which take two tensors."""
     if not isinstance(a["other"], fx.Node) or not isinstance(a["input"], fx.Node):
         raise NotFusible(f"{op} with a number (eager takes tensors only)")
     return Canonical(op, (a["input"], a["other"]), {})
