@@ -850,7 +850,8 @@ def optimize(model: nn.Module, example_inputs: Sequence[Any] | None = None, **op
 
     The result computes what `model` computes (within the dtype's tolerance) and shares its parameters.
     `example_inputs` (optional: the forward's arguments, or one tensor) lets the matcher prove more. Options:
-    ``load_kernels`` (default True) builds or loads the CUDA kernels when the model or its inputs are on a GPU.
+    ``load_kernels`` (default True) builds or loads the CUDA kernels now when the model or its inputs are on a GPU
+    (else the fused ops' first CUDA call does).
     The report of what was fused is kept as ``result.fxfuse_report``.
     """
     unknown = set(options) - {"load_kernels"}
