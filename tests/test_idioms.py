@@ -259,7 +259,7 @@ def test_an_idiom_of_fp32s_range_runs_in_float64(spelled):
 
 def test_an_idiom_captures_numpy_numbers_as_pythons(scratch_idioms):
     """A NumPy float captured raw made the program text `np.float64(-0.5)`, which the op could not parse."""
-    import numpy as np
+    np = pytest.importorskip("numpy")
 
     @fxfuse.idiom("clamp")
     def clamp_by_full_like(x, *, min, max):
