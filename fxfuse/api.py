@@ -405,10 +405,12 @@ def _keep_argument_names(graph: fx.Graph, concrete: dict) -> None:
 @contextlib.contextmanager
 def _model_kept_as_it_was(model: nn.Module):
     """Runs of `model`'s forward inside (a trace, the run that finds the children's inputs) leave it as it was:
-    buffers changed in place are restored, attributes set are put back or removed (fx's own tensor constants
-    aside). Yields a list that says, on exit, what had changed."""
+    buffers changed in place or assigned are restored, attributes set are put back or removed (fx's own tensor
+    constants aside). Yields a list that says, on exit, what had changed."""
     buffers = {name: (b, b._version, b.detach().clone()) for name, b in model.named_buffers()}
     attributes = {name: dict(vars(m)) for name, m in model.named_modules()}
+    # A forward that assigns a buffer (`self.calls = self.calls + 1`) replaces it in the module's _buffers.
+    buffer_slots = {name: dict(m._buffers) for name, m in model.named_modules()}
     # A forward that appends its activations to `self.acts` (a list, dict or set of the module's) changes it in place.
     containers = {(name, key): (value, copy.copy(value)) for name, m in model.named_modules()
                   for key, value in vars(m).items() if not key.startswith("_") and isinstance(value, (list, dict, set))}
@@ -424,6 +426,14 @@ def _model_kept_as_it_was(model: nn.Module):
                     container.extend(saved)
                 else:
                     container.update(saved)
+        for name, module in model.named_modules():
+            before = buffer_slots.get(name, {})
+            for key in [k for k in module._buffers if k not in before or module._buffers[k] is not before[k]]:
+                changed.append(f"sets buffer `{f'{name}.' if name else ''}{key}`")
+                if key in before:
+                    module._buffers[key] = before[key]
+                else:
+                    del module._buffers[key]
         with torch.no_grad():
             for name, (buffer, version, saved) in buffers.items():
                 # (BatchNorm's kernel updates its statistics without bumping the version counter)

@@ -1411,6 +1411,28 @@ def test_a_forward_that_changes_its_model_is_not_traced_and_the_model_stays_as_i
             assert_close_report(optimized(x), expected(x))
 
 
+
+class CountsItsCallsInABuffer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(IN, OUT)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls = self.calls + 1  # a new tensor for the buffer, not an in-place change of it
+        return torch.relu(self.fc(x))
+
+
+def test_a_forward_that_assigns_its_buffer_is_not_traced_and_the_buffer_stays_a_tensor():
+    """The trace's assignment left an fx Proxy as the user's buffer, where eager then computed on with it."""
+    model, x = CountsItsCallsInABuffer().eval(), rows()
+    optimized = fxfuse.optimize(model, (x,))
+    assert type(model.calls) is torch.Tensor and torch.equal(model.calls, torch.zeros(()))
+    assert any("sets buffer `calls`" in row.reason for row in optimized.fxfuse_report.skipped)
+    with torch.no_grad():
+        assert_close_report(optimized(x), torch.relu(model.fc(x)))
+    assert torch.equal(optimized.calls, torch.ones(()))
+
 class ClampsItsInputThenBranches(nn.Module):
     def __init__(self):
         super().__init__()
