@@ -567,25 +567,29 @@ _reduction("logsumexp", (torch.logsumexp, torch.special.logsumexp), ("logsumexp"
 # torch.max(x, dim) / torch.min(x, dim) return (values, indices): the reduction is the `[0]` / `.values` node.
 # Not amax / amin: those split a tied row's gradient between its extremes, these give it to the indexed one.
 _VALUES_OF = {"max": "max_dim", "min": "min_dim"}
+_MAX_OVER_A_DIM = _signature("(input, dim=None, keepdim=False)")  # torch.max's reduction form, as _values_of binds it
 
 
 def _max_min(a, elementwise_op: str):
-    """torch.max / torch.min: of two tensors, `elementwise_op`; over a dim, fused through its values (_values_of)."""
-    if isinstance(a["dim"], fx.Node) and not surely_not_tensor(a["dim"]):  # torch.max(h, other): elementwise
-        if a["keepdim"] is not False:
-            raise NotFusible(f"{elementwise_op} of two tensors with keepdim (eager raises)")
-        return Canonical(elementwise_op, (a["input"], a["dim"]), {})
-    if a["dim"] is None:  # h.max(): one number, and no indices
+    """torch.max / torch.min: of two tensors, `elementwise_op`; over a dim, fused through its values (_values_of).
+    Bound as given (`*args`, `**kwargs`): eager takes the other tensor as `(h, other)` or `other=` only."""
+    args, kwargs = a["args"], a["kwargs"]
+    other = args[0] if args else kwargs.get("other", kwargs.get("dim"))
+    if isinstance(other, fx.Node) and not surely_not_tensor(other):  # torch.max(h, other): elementwise
+        if len(args) + len(kwargs) != 1 or "dim" in kwargs:
+            raise NotFusible(f"{elementwise_op} of two tensors with keepdim or dim= (eager raises)")
+        return Canonical(elementwise_op, (a["input"], other), {})
+    if not args and "dim" not in kwargs:  # h.max(): one number, and no indices
         raise NotFusible("max/min without a dim reduces the whole tensor")
     raise NotFusible("max/min over a dim is fused through its `.values` or `[0]` (its indices are not)")
 
 
-@spelling("(input, dim=None, keepdim=False)", functions=(torch.max,), methods=("max",))
+@spelling("(input, *args, **kwargs)", functions=(torch.max,), methods=("max",))
 def _max(a, inplace):
     return _max_min(a, "maximum")
 
 
-@spelling("(input, dim=None, keepdim=False)", functions=(torch.min,), methods=("min",))
+@spelling("(input, *args, **kwargs)", functions=(torch.min,), methods=("min",))
 def _min(a, inplace):
     return _max_min(a, "minimum")
 
@@ -617,7 +621,7 @@ def _values_of(node: fx.Node) -> Canonical | None:
     name = _reduction_name(source)
     if name is None:
         return None
-    sig = _FUNCTIONS[torch.max][0]
+    sig = _MAX_OVER_A_DIM
     try:
         bound = sig.bind(*source.args, **_from_numpy_keywords(source.kwargs, sig))
     except TypeError:

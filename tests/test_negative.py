@@ -2143,13 +2143,24 @@ def test_a_child_called_with_a_keyword_argument_is_optimized_for_it():
         assert_close_report(optimized(x), model(x))
 
 
+@pytest.mark.parametrize("spelling, program", [("torch.max(h, other=h.relu())", "relu(%0);maximum(%0,%1)"),
+                                                ("h.min(other=h.relu())", "relu(%0);minimum(%0,%1)")])
+def test_elementwise_max_with_the_other_tensor_by_keyword_fuses(spelling, program):
+    epilogue = eval(f"lambda h: {spelling}", {"torch": torch})
+    model = GemmThen(lambda m, x, y: epilogue(m.fc(x)))
+    optimized = assert_whole_chain_fused(model, (rows(),))
+    assert fused_programs(optimized) == [program]
+
+
 def test_elementwise_max_of_two_tensors_is_maximum():
     model = GemmThen(lambda m, x, y: torch.max(m.fc(x), m.floor), floor=torch.randn(OUT))
     optimized = assert_whole_chain_fused(model, (rows(),))
     assert fused_programs(optimized) == ["maximum(%0,$0)"]
 
 
-@pytest.mark.parametrize("spelling", ["torch.maximum(h, 0.5)", "torch.max(h, h, keepdim=True)"])
+@pytest.mark.parametrize("spelling", ["torch.maximum(h, 0.5)", "torch.max(h, h, keepdim=True)",
+                                      "torch.max(h, h, keepdim=False)", "torch.min(h, h, False)",
+                                      "h.max(h, keepdim=False)", "torch.max(h, dim=h)", "h.min(dim=h)"])
 def test_elementwise_max_that_eager_refuses_is_not_fused_and_raises_as_eager(spelling):
     epilogue = eval(f"lambda h: {spelling}", {"torch": torch})
     model = GemmThen(lambda m, x, y: epilogue(m.fc(x)))
