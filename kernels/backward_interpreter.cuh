@@ -170,8 +170,9 @@ __device__ __forceinline__ void binary_backward(const Ctx& ctx, const BackwardRo
       float d_current, d_other;
       if (ins.reversed) F::partials(other[j], x[c][j], d_other, d_current);
       else F::partials(x[c][j], other[j], d_current, d_other);
-      contrib[c][j] = grad[c][j] * d_other;
-      grad[c][j] *= ins.other == OTHER_CURRENT ? d_current + d_other : d_current;
+      const float d = ins.other == OTHER_CURRENT ? d_current + d_other : d_current;
+      contrib[c][j] = SelectsGradient<F>::value && d_other == 0.0f ? 0.0f : grad[c][j] * d_other;
+      grad[c][j] = SelectsGradient<F>::value && d == 0.0f ? 0.0f : grad[c][j] * d;
     }
   }
   if (ins.other == OTHER_PARAM) gather_param_grad(ctx, state, ins.param[0], step, contrib, cross_warp);

@@ -85,6 +85,14 @@ struct TakesNumbers : std::true_type {};
 template <class F>
 struct TakesNumbers<F, std::void_t<decltype(F::takes_numbers)>> : std::bool_constant<F::takes_numbers> {};
 
+// Whether a binary op's gradient is a select, as torch's maximum / minimum (masked_fill_ of the loser to 0): a partial
+// of 0 then gives exactly 0, not grad * 0 (NaN for an infinite or NaN grad). It says so with
+// `static constexpr bool selects_gradient = true`.
+template <class F, class = void>
+struct SelectsGradient : std::false_type {};
+template <class F>
+struct SelectsGradient<F, std::void_t<decltype(F::selects_gradient)>> : std::bool_constant<F::selects_gradient> {};
+
 // ================================================================ unary pointwise: y = F::apply(x, attrs)
 // num_attrs: how many attributes follow the operand in the program text. F::backward(x, grad, attrs) is the
 // input's gradient for the output's gradient `grad`, as torch's autograd formula for the reference computes it
@@ -468,6 +476,7 @@ struct Div {
 // fxfuse/epilogue.py::maximum (NaN wins, as torch's; a tie splits the gradient, a NaN gives it whole to both)
 struct Maximum {
   static constexpr bool takes_numbers = false;
+  static constexpr bool selects_gradient = true;
   __device__ static float apply(float a, float b) { return maximum(a, b); }
   __device__ static void partials(float a, float b, float& da, float& db) {
     da = a < b ? 0.0f : (a == b ? 0.5f : 1.0f);
@@ -478,6 +487,7 @@ struct Maximum {
 // fxfuse/epilogue.py::minimum (as Maximum)
 struct Minimum {
   static constexpr bool takes_numbers = false;
+  static constexpr bool selects_gradient = true;
   __device__ static float apply(float a, float b) { return minimum(a, b); }
   __device__ static void partials(float a, float b, float& da, float& db) {
     da = a > b ? 0.0f : (a == b ? 0.5f : 1.0f);

@@ -133,6 +133,19 @@ def test_backward_on_bounds_and_ties(program, precision, caplog):
     check_backward(program, gemm_out, [], bound_for(precision), caplog)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"], indirect=True)
+@pytest.mark.parametrize("program", ["maximum(%0,$0)", "minimum($0,%0)"])
+def test_maximum_backward_gives_the_loser_0_for_an_infinite_or_nan_gradient(program, precision, caplog):
+    """torch's maximum / minimum backward is a select (masked_fill_ of the loser to 0); the kernel multiplied the
+    gradient by a partial of 0, which made an infinite or NaN gradient NaN at the loser."""
+    dtype = DTYPES[precision]
+    gemm_out, params = gemm_output(300, 1024, dtype), make_params("feature", 300, 1024, dtype)
+    grad_output = torch.randn(300, 1024, device="cuda").to(dtype)
+    grad_output[::7] = float("inf")
+    grad_output[3::11] = float("nan")
+    check_backward(program, gemm_out, params, bound_for(precision), caplog, grad_output=grad_output)
+
+
 # ---------------------------------------------------------------- shapes and group counts
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"], indirect=True)
