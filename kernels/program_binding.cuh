@@ -304,6 +304,18 @@ void set_attribute(Attrs& attrs, size_t index, float value) {
   (index == 0 ? attrs.a0 : index == 1 ? attrs.a1 : attrs.a2) = value;
 }
 
+// Whether torch's CUDA kernel of the op reads its numbers in the tensor's own dtype (`value.to<scalar_t>()`: in
+// bf16 hardshrink's 0.3 is 0.30078125), where the others read them in fp32.
+bool reads_numbers_in_storage_dtype(uint8_t opcode) {
+  return opcode == OP_hardshrink || opcode == OP_softshrink || opcode == OP_threshold;
+}
+
+float in_dtype(float value, at::ScalarType dtype) {
+  if (dtype == at::kBFloat16) return static_cast<float>(c10::BFloat16(value));
+  if (dtype == at::kHalf) return static_cast<float>(c10::Half(value));
+  return value;
+}
+
 // The (row, feature) strides of param p broadcast to a row-phase value of shape `shape`.
 bool row_param_view(const Context& ctx, const at::Tensor& p, const Shape& shape, RowShape kind, RowParam& view) {
   const at::Tensor expanded = p.expand(shape);
@@ -439,6 +451,7 @@ std::string bind_phase(const Context& ctx, Binding& b, std::vector<Shape>& shape
           float value;
           if (!attribute_kind_fits(pi.op->opcode, pi.attrs[a])) return "an attribute its op does not take" + where;
           if (!encode_attribute(pi.attrs[a], value)) return "unsupported attribute" + where;
+          if (reads_numbers_in_storage_dtype(pi.op->opcode)) value = in_dtype(value, ctx.x.scalar_type());
           set_attribute(ins.attrs, a, value);
         }
         if (pi.op->opcode == OP_clamp && std::isnan(ins.attrs.a0) && std::isnan(ins.attrs.a1))

@@ -736,6 +736,19 @@ def test_attributes_the_reference_refuses_raise_its_error(program, op):
     assert str(eager.value).splitlines()[0] in str(fused.value)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("program", ["hardshrink(%0,0.3)", "softshrink(%0,0.3)", "threshold(%0,0.3,-1.0)"])
+def test_shrink_and_threshold_numbers_are_read_in_the_tensors_dtype(program, dtype):
+    """torch's CUDA kernels of these ops compare with their number rounded to the tensor's dtype (0.3 is 0.30078125
+    in bf16): the kernels kept an element equal to the rounded number where eager zeroes or replaces it."""
+    rounded = torch.tensor(0.3, dtype=dtype).item()
+    bias = torch.tensor([rounded, -rounded, 0.0, 1.0, -1.0, 0.25, 0.5, -0.5] * 2, device="cuda", dtype=dtype)
+    x = torch.randn(4, 8, device="cuda", dtype=dtype)
+    weight = torch.zeros(16, 8, device="cuda", dtype=dtype)  # the GEMM output is the bias, exactly
+    fused = torch.ops.fxfuse.gemm_epilogue(x, weight, bias, [], program)
+    torch.testing.assert_close(fused, run_reference(x, weight, bias, [], program), rtol=0, atol=0)
+
+
 def test_a_later_process_loads_the_cached_build_quickly():
     script = ("import time, fxfuse.kernels as k; start = time.perf_counter(); assert k.load(); "
               "print(time.perf_counter() - start)")
