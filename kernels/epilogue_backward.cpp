@@ -257,6 +257,7 @@ Tensors epilogue_backward_cuda(const at::Tensor& grad_output, const at::Tensor& 
   if (prog.accumulators > kMaxGradAccumulators)
     return fallback("more than " + std::to_string(kMaxGradAccumulators) + " params summed over rows");
   const int64_t blocks = backward_blocks(gemm_out.scalar_type(), prog, threads);
+  if (blocks == 0) return fallback("the accumulators need more shared memory than this device gives a block");
   const int64_t partial_rows = blocks * layout->rows_per_block;
   const at::Tensor partials =
       at::empty({prog.accumulators, partial_rows, features}, gemm_out.options().dtype(at::kFloat));

@@ -122,7 +122,10 @@ bool describe(LtProblem& p, const at::Tensor& x, const at::Tensor& weight, const
          cublasLtMatrixLayoutCreate(&p.y, type, n, m, n) == CUBLAS_STATUS_SUCCESS;
 }
 
-// The heuristic's first algorithm for this problem, asked once per shape, dtype, precision and alignment.
+// The heuristic's first algorithm for this problem, asked once per shape, dtype, precision and alignment. A process
+// that meets ever new batch sizes (a server) forgets them all after kLtChoicesKept, rather than growing without end.
+constexpr size_t kLtChoicesKept = 4096;
+
 LtChoice choose_algorithm(const LtProblem& p, const at::Tensor& x, const at::Tensor& weight, bool has_bias, bool tf32,
                           const at::Tensor& y, cublasLtHandle_t handle) {
   static std::mutex mutex;
@@ -161,6 +164,7 @@ LtChoice choose_algorithm(const LtProblem& p, const at::Tensor& x, const at::Ten
       choice = {true, result.algo, result.workspaceSize};
     cublasLtMatmulPreferenceDestroy(preference);
   }
+  if (choices.size() >= kLtChoicesKept) choices.clear();
   choices.emplace(key, choice);
   return choice;
 }

@@ -998,9 +998,9 @@ __global__ void __launch_bounds__(256) broadcast_tail_kernel(const __grid_consta
 // ================================================================ launchers (declared in program_format.cuh,
 // instantiated in the .cu files)
 
-// The persistent grid of a row kernel: as many blocks as fit on the device at once, and the shared memory each
-// block can take on top of `shared_bytes` without lowering that count (for staged params). Computed once per
-// kernel, device, block size and shared memory size, not per call.
+// The persistent grid of a row kernel: as many blocks as fit on the device at once (none where a block of it cannot
+// have `shared_bytes` on this device), and the shared memory each block can take on top of `shared_bytes` without
+// lowering that count (for staged params). Computed once per kernel, device, block size and shared memory size.
 struct RowGrid {
   int64_t blocks;
   int64_t spare_shared_bytes;
@@ -1045,6 +1045,7 @@ RowGrid row_grid(Kernel kernel, int threads, int64_t shared_bytes) {
   C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
   const int64_t dynamic_max = per_block_optin - static_cast<int64_t>(attributes.sharedSizeBytes);
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(dynamic_max)));
+  if (shared_bytes > dynamic_max) return cache[key] = RowGrid{0, 0};
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, threads, shared_bytes));
   blocks_per_sm = std::max(blocks_per_sm, 1);
   const int64_t per_block = per_sm / blocks_per_sm - reserved_per_block - static_cast<int64_t>(attributes.sharedSizeBytes);

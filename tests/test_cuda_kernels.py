@@ -791,6 +791,22 @@ def test_a_model_optimized_on_the_cpu_then_moved_to_the_gpu_runs_the_kernels():
     assert result.returncode == 0 and "ran the kernels" in result.stdout, result.stderr[-2000:]
 
 
+def test_a_processs_first_fused_call_can_be_inside_cuda_graph_capture():
+    """The first call loads the kernels, makes the device's cuBLASLt handle, asks cuBLASLt's heuristic and sets the
+    row kernels' shared-memory attributes: none of it may break the capture or be left out of the graph."""
+    script = ("import torch, torch.nn as nn, fxfuse, fxfuse.kernels as k; torch.manual_seed(0); "
+              "model = nn.Sequential(nn.Linear(64, 512), nn.GroupNorm(16, 512), nn.Hardtanh()).eval(); "
+              "optimized = fxfuse.optimize(model, (torch.randn(8, 64),)); assert not k.loaded(); model.cuda(); "
+              "static_x = torch.randn(200, 64, device='cuda'); graph = torch.cuda.CUDAGraph(); "
+              "with_graph = torch.cuda.graph(graph); with_graph.__enter__(); static_out = optimized(static_x); "
+              "with_graph.__exit__(None, None, None); assert k.loaded(); "
+              "fresh = torch.randn(200, 64, device='cuda'); static_x.copy_(fresh); static_out.fill_(float('nan')); "
+              "graph.replay(); torch.testing.assert_close(static_out, model(fresh)); print('replayed')")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=dict(os.environ),
+                            timeout=900)
+    assert result.returncode == 0 and "replayed" in result.stdout, result.stderr[-2000:]
+
+
 def test_load_is_cheap_once_loaded():
     start = time.perf_counter()
     for _ in range(100):
