@@ -43,6 +43,11 @@ class EpilogueOp:
     positive_domain: bool = False
     # A binary op that takes a number for one operand (add, mul...); torch.maximum takes two tensors.
     takes_numbers: bool = True
+    # What a norm or reduction over the features computes where they are one value (a row that an earlier keepdim
+    # reduction left), as pointwise steps (op, operands and attributes) on that value "x" and the previous step's
+    # result "y"; () is the value itself, None leaves such an op out of the region. The generic tests hold each to
+    # the reference, in value, gradient and dtype under autocast.
+    over_one_feature: tuple[tuple[str, tuple], ...] | None = None
 
     @property
     def is_binary(self) -> bool:
@@ -53,7 +58,7 @@ EPILOGUE_OPS: dict[str, EpilogueOp] = {}
 
 
 def epilogue_op(kind: str, *, samples=({},), feature_operands=(), feature_dim_attr=None, positive_domain=False,
-                takes_numbers=True):
+                takes_numbers=True, over_one_feature=None):
     """Register a reference function as a canonical epilogue op named after the function."""
 
     def register(fn):
@@ -63,7 +68,8 @@ def epilogue_op(kind: str, *, samples=({},), feature_operands=(), feature_dim_at
         EPILOGUE_OPS[fn.__name__] = EpilogueOp(
             name=fn.__name__, kind=kind, operands=operands, attrs=attrs, reference=fn,
             feature_operands=frozenset(feature_operands), samples=tuple(samples),
-            feature_dim_attr=feature_dim_attr, positive_domain=positive_domain, takes_numbers=takes_numbers)
+            feature_dim_attr=feature_dim_attr, positive_domain=positive_domain, takes_numbers=takes_numbers,
+            over_one_feature=over_one_feature)
         return fn
 
     return register
@@ -296,12 +302,18 @@ def batch_norm(x, running_mean, running_var, weight, bias, *, eps):
     return F.batch_norm(x, running_mean, running_var, weight, bias, False, 0.0, eps)
 
 
-@epilogue_op(NORM, samples=({"dim": -1},), feature_dim_attr="dim")
+# Over one value: x - max(x) is 0, or NaN for an infinity or NaN, as x - x; its exp is softmax's 1, and the log of
+# that log_softmax's 0 (exp and log: float32 under CUDA's autocast, as softmax and log_softmax).
+_SOFTMAX_OF_ONE = (("sub", ("x", "x")), ("exp", ("y",)))
+
+
+@epilogue_op(NORM, samples=({"dim": -1},), feature_dim_attr="dim", over_one_feature=_SOFTMAX_OF_ONE)
 def softmax(x, *, dim):
     return torch.softmax(x, dim)
 
 
-@epilogue_op(NORM, samples=({"dim": -1},), feature_dim_attr="dim")
+@epilogue_op(NORM, samples=({"dim": -1},), feature_dim_attr="dim",
+             over_one_feature=_SOFTMAX_OF_ONE + (("log", ("y",)),))
 def log_softmax(x, *, dim):
     return torch.log_softmax(x, dim)
 
@@ -309,39 +321,43 @@ def log_softmax(x, *, dim):
 # ---------------------------------------------------------------- row reductions over the features
 
 _REDUCE_SAMPLES = ({"dim": -1, "keepdim": True}, {"dim": -1, "keepdim": False})
+# One value summed from 0: -0.0 comes out as 0.0, as torch's sum gives it; x ** 1.0 for the float32 that CUDA's
+# autocast gives sum and logsumexp (not mean).
+_PLUS_ZERO = (("add", ("x", 0.0)),)
+_PLUS_ZERO_IN_FP32 = _PLUS_ZERO + (("pow", ("y", 1.0)),)
 
 
-@epilogue_op(REDUCTION, samples=_REDUCE_SAMPLES, feature_dim_attr="dim")
+@epilogue_op(REDUCTION, samples=_REDUCE_SAMPLES, feature_dim_attr="dim", over_one_feature=_PLUS_ZERO_IN_FP32)
 def sum(x, *, dim, keepdim):
     return torch.sum(x, dim, keepdim)
 
 
-@epilogue_op(REDUCTION, samples=_REDUCE_SAMPLES, feature_dim_attr="dim")
+@epilogue_op(REDUCTION, samples=_REDUCE_SAMPLES, feature_dim_attr="dim", over_one_feature=_PLUS_ZERO)
 def mean(x, *, dim, keepdim):
     return torch.mean(x, dim, keepdim)
 
 
-@epilogue_op(REDUCTION, samples=_REDUCE_SAMPLES, feature_dim_attr="dim")
+@epilogue_op(REDUCTION, samples=_REDUCE_SAMPLES, feature_dim_attr="dim", over_one_feature=())
 def amax(x, *, dim, keepdim):
     return torch.amax(x, dim, keepdim)
 
 
-@epilogue_op(REDUCTION, samples=_REDUCE_SAMPLES, feature_dim_attr="dim")
+@epilogue_op(REDUCTION, samples=_REDUCE_SAMPLES, feature_dim_attr="dim", over_one_feature=())
 def amin(x, *, dim, keepdim):
     return torch.amin(x, dim, keepdim)
 
 
-@epilogue_op(REDUCTION, samples=_REDUCE_SAMPLES, feature_dim_attr="dim")
+@epilogue_op(REDUCTION, samples=_REDUCE_SAMPLES, feature_dim_attr="dim", over_one_feature=())
 def max_dim(x, *, dim, keepdim):
     # amax's values; the gradient goes to the one element torch.max's indices name (the first extreme or NaN).
     return torch.max(x, dim, keepdim).values
 
 
-@epilogue_op(REDUCTION, samples=_REDUCE_SAMPLES, feature_dim_attr="dim")
+@epilogue_op(REDUCTION, samples=_REDUCE_SAMPLES, feature_dim_attr="dim", over_one_feature=())
 def min_dim(x, *, dim, keepdim):
     return torch.min(x, dim, keepdim).values
 
 
-@epilogue_op(REDUCTION, samples=_REDUCE_SAMPLES, feature_dim_attr="dim")
+@epilogue_op(REDUCTION, samples=_REDUCE_SAMPLES, feature_dim_attr="dim", over_one_feature=_PLUS_ZERO_IN_FP32)
 def logsumexp(x, *, dim, keepdim):
     return torch.logsumexp(x, dim, keepdim)

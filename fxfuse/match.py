@@ -220,6 +220,7 @@ class _Growth:
         self.rank: dict[int, int | None] = {}   # value index -> rank, when known
         self.reduced: set[int] = set()          # values that are one number per row
         self.dropped: set[int] = set()          # reduced values without the features dim (keepdim=False)
+        self.one_feature: set[int] = set()      # reduced values whose features dim is provably one value
         self.min_rank: dict[int, int] = {}      # value index -> the least rank it can have (a GEMM output: 1)
         # (x's rank that an admitted op's meaning depends on, the member count before that op)
         self.x_rank: tuple[int, int] | None = None
@@ -328,7 +329,8 @@ class _Growth:
             self.members.append(member)
             self.member_set.add(member)
 
-    def emit(self, node, op, operands, attrs, rank, reduced=False, dropped=False, drops_dim=False, in_place=False):
+    def emit(self, node, op, operands, attrs, rank, reduced=False, dropped=False, drops_dim=False, in_place=False,
+             one_feature=False):
         self.instructions.append(Instruction(op, tuple(operands), tuple(attrs), in_place))
         index = len(self.instructions)
         self.value[node] = index
@@ -340,6 +342,8 @@ class _Growth:
             self.reduced.add(index)
         if dropped:
             self.dropped.add(index)
+        if one_feature:
+            self.one_feature.add(index)
 
     def mode_switch_before(self, node: fx.Node) -> fx.Node | None:
         """The first node that switches autocast or grad mode after the GEMM and before `node`, if any."""
@@ -404,6 +408,11 @@ class _Growth:
                    or self.rank_dependence(node, c, spec, rank, values[0].index))
         if problem:
             return problem
+        over_one = self.over_one_feature(c, spec, values[0].index)
+        if over_one is not None:
+            self.add_member(node, c)
+            self.emit_over_one_feature(node, over_one, values[0], rank)
+            return None
         attrs = tuple(c.attrs[name] for name in spec.attrs)
         reduces = spec.kind == REDUCTION
         if reduces and rank is not None and not c.attrs["keepdim"]:
@@ -419,8 +428,43 @@ class _Growth:
         # form: a 16-bit value plus a float32 param, or on CUDA `h.exp_()`, whose `exp` runs in float32
         in_place = mutated is not None and operands[0] == Value(self.value.get(mutated, -1))
         self.emit(node, c.op, operands, attrs, rank, reduced=reduces or all(v.index in self.reduced for v in values),
-                  dropped=dropped, drops_dim=drops_dim, in_place=in_place)
+                  dropped=dropped, drops_dim=drops_dim, in_place=in_place,
+                  one_feature=c.attrs["keepdim"] if reduces else self.keeps_one_feature(spec, operands))
         return None
+
+    def keeps_one_feature(self, spec, operands) -> bool:
+        """Whether a pointwise op of values whose features dim is one value provably keeps it one value: its
+        outside tensors' shapes are known, and their last dim is 1."""
+        if spec.kind != POINTWISE:
+            return False
+        for o in operands:
+            if isinstance(o, Value) and o.index not in self.one_feature:
+                return False
+            if isinstance(o, Param):
+                tensor = self.facts.tensor(self.params[o.index])
+                if tensor is None or (tensor.dim() > 0 and tensor.shape[-1] != 1):
+                    return False
+        return True
+
+    def over_one_feature(self, c: Canonical, spec, index: int):
+        """The pointwise steps that stand for a norm or reduction whose input's features dim an earlier keepdim
+        reduction left at one value (epilogue.py's over_one_feature), or None. Reductions keep the dim: the program
+        has no op that only drops it."""
+        if index not in self.one_feature or spec.over_one_feature is None:
+            return None
+        if spec.kind == REDUCTION and not c.attrs["keepdim"]:
+            return None
+        return spec.over_one_feature
+
+    def emit_over_one_feature(self, node, steps, value: Value, rank) -> None:
+        """`node` as `steps`, each on the value ("x") or the previous step's result ("y"); none: the value itself."""
+        result = value
+        for op, args in steps:
+            count = len(EPILOGUE_OPS[op].operands)
+            operands = [value if a == "x" else result if a == "y" else a for a in args[:count]]
+            self.emit(node, op, operands, args[count:], rank, reduced=True, one_feature=True)
+            result = Value(len(self.instructions))
+        self.value[node] = result.index
 
     def in_place_problem(self, node: fx.Node, mutated: fx.Node, operands) -> str | None:
         """An in-place op keeps the mutated value's shape and dtype, where the fused op's result would broadcast
@@ -513,8 +557,10 @@ class _Growth:
         if spec.kind == POINTWISE and c.op != "batch_norm":
             return None
         name = c.op
-        if input_index in self.reduced:
-            return f"{name} of {describe(node.args[0] if node.args else node)} works on an already reduced value"
+        if input_index in self.reduced and self.over_one_feature(c, spec, input_index) is None:
+            kept = " with keepdim=False" if input_index in self.one_feature and spec.over_one_feature else ""
+            return (f"{name}{kept} of {describe(node.args[0] if node.args else node)} works on an already reduced "
+                    "value")
         if c.op in ("group_norm", "batch_norm") and rank is not None and rank != 2:
             return f"{name} on a {rank}-D output normalizes over dim 1, not the features"
         if c.op == "group_norm":
@@ -563,6 +609,7 @@ class _Growth:
             self.min_rank.pop(index, None)
             self.reduced.discard(index)
             self.dropped.discard(index)
+            self.one_feature.discard(index)
         if self.x_rank is not None and self.x_rank[1] >= n_members:
             self.x_rank = None
         self.dtypes = [entry for entry in self.dtypes if entry[1] < n_members]

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from epilogue_models import (BATCH, IN, OUT, GemmThen, assert_whole_chain_fused, fused_programs,
                              leftover_compute)
-from fxfuse.testing import assert_fuses, assert_not_fused
+from fxfuse.testing import assert_fuses, assert_gradients_match, assert_not_fused
 
 
 class OwnWeights(nn.Module):
@@ -160,3 +160,34 @@ def test_lazy_linear_is_an_anchor_once_materialized():
     model = nn.Sequential(nn.LazyLinear(OUT), nn.Tanh())
     model(torch.randn(BATCH, IN))
     assert_whole_chain_fused(model, (torch.randn(BATCH, IN),))
+
+
+# A norm or reduction over the features of a value an earlier keepdim reduction left at one feature: pointwise steps
+# (epilogue.py's over_one_feature), so KernelBench's chains of reductions fuse whole.
+OVER_ONE_FEATURE = {
+    "max-then-minus-its-mean-gelu": (lambda m, x, y: (lambda r: F.gelu(r - r.mean(dim=1, keepdim=True)))(
+        torch.max(m.fc(x), dim=1, keepdim=True).values), "max_dim(%0,1,True);add(%1,0.0);sub(%1,%2);gelu"),
+    "sigmoid-sum-logsumexp": (lambda m, x, y: torch.logsumexp(torch.sigmoid(m.fc(x)).sum(1, keepdim=True), 1,
+                                                              keepdim=True), "sum(%1,1,True);add(%2,0.0);pow(%3,1.0)"),
+    "sum-max-mean-logsumexp-twice": (lambda m, x, y: torch.logsumexp(torch.logsumexp(
+        m.fc(x).sum(-1, keepdim=True).amax(-1, keepdim=True).mean(-1, keepdim=True), -1, keepdim=True), -1,
+        keepdim=True), "sum(%0,-1,True);add(%1,0.0);add(%2,0.0);pow(%3,1.0)"),
+    "mean-then-softmax": (lambda m, x, y: F.softmax(m.fc(x).mean(dim=1, keepdim=True), dim=1),
+                          "mean(%0,1,True);sub(%1,%1);exp(%2)"),
+    "scaled-min-then-log_softmax": (lambda m, x, y: (m.fc(x).amin(-1, keepdim=True) * 2 + m.one).log_softmax(-1),
+                                    "amin(%0,-1,True);mul(%1,2);add(%2,$0);sub(%3,%3);exp(%4);log(%5)"),
+}
+
+
+@pytest.mark.parametrize("example_inputs", [True, False], ids=["shapes", "no-shapes"])
+@pytest.mark.parametrize("name", list(OVER_ONE_FEATURE))
+def test_a_reduction_over_one_feature_left_by_another_fuses_as_pointwise_steps(name, example_inputs):
+    epilogue, program = OVER_ONE_FEATURE[name]
+    model = GemmThen(epilogue, one=torch.ones(1, 1))
+    x = torch.randn(BATCH, IN)
+    optimized = assert_whole_chain_fused(model, (x,), example_inputs=None if example_inputs else False)
+    (fused,) = fused_programs(optimized)
+    assert program in fused.replace(" ", ""), fused
+    x[0, 0] = float("inf")  # a row whose reductions are infinite: the steps give eager's NaN or infinity
+    torch.testing.assert_close(optimized(x), model(x), equal_nan=True)
+    assert_gradients_match(model, optimized, (torch.randn(BATCH, IN),))

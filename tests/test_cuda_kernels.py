@@ -469,6 +469,9 @@ FAMILIES = [
     ("rms_norm(%0,$0,None);silu(%1)", [("n",)], None),
     ("group_norm(%0,$0,$1,8,1e-05);amin(%1,1,True);add(%2,$2)", [("n",), ("n",), (1, "n", 1, 1)], "broadcast"),
     ("mean(%0,-1,True);sub($0,%1);sigmoid(%2);mul(%3,%2)", [(1, "n", 1, 1)], "broadcast"),  # tail with a slot
+    # reductions of a reduced value, as fxfuse's matcher writes them (epilogue.py's over_one_feature)
+    ("amax(%0,-1,True);add(%1,0.0);sub(%1,%2);gelu(%3,'none')", [], "rows_keep"),
+    ("sum(%0,-1,True);add(%1,0.0);pow(%2,1.0);sub(%3,%3);exp(%4);log(%5)", [], "rows_keep"),
 ]
 
 

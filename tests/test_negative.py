@@ -196,6 +196,30 @@ def test_norm_of_a_reduced_value_fuses_only_the_reduction():
     assert_reason(optimized, "layer_norm of `sum_1` works on an already reduced value")
 
 
+def test_a_reduction_of_a_reduced_value_without_keepdim_is_not_fused():
+    """The steps that stand for it keep the dim, which eager's result drops."""
+    model = GemmThen(lambda m, x, y: m.fc(x).amax(-1, keepdim=True).sum(-1))
+    optimized = assert_fuses(model, (rows(),), regions=1)
+    assert fused_programs(optimized) == ["amax(%0,-1,True)"]
+    assert_reason(optimized, "sum with keepdim=False of `amax` works on an already reduced value")
+
+
+@pytest.mark.parametrize("example_inputs", [True, False], ids=["shapes", "no-shapes"])
+@pytest.mark.parametrize("epilogue, program", [
+    (lambda m, x, y: (m.fc(x).amax(-1, keepdim=True) + m.shift).sum(-1, keepdim=True),  # (B, 1) + (N,): full rows
+     "amax(%0,-1,True);add(%1,$0)"),
+    (lambda m, x, y: (m.fc(x).amax(-1, keepdim=True) * y).softmax(-1),  # y's shape unknown without example inputs
+     "amax(%0,-1,True);mul(%1,$0)"),
+], ids=["plus-a-row-param", "times-a-graph-input"])
+def test_a_reduced_value_broadcast_back_to_full_rows_is_not_one_feature(epilogue, program, example_inputs):
+    model = GemmThen(epilogue, shift=nn.Parameter(torch.randn(OUT)))
+    inputs = (rows(), torch.randn(BATCH, OUT))
+    optimized = fxfuse.optimize(model, inputs if example_inputs else None)
+    assert fused_programs(optimized) == [program]
+    assert_reason(optimized, "works on an already reduced value")
+    torch.testing.assert_close(optimized(*inputs), model(*inputs))
+
+
 def test_min_whose_indices_are_used_too():
     model = GemmThen(lambda m, x, y: (lambda r: r[0] + r[1])(torch.min(m.fc(x), 1)))
     assert_not_fused(model, (rows(),), reason="the indices of `min_1` are used too")

@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from epilogue_models import BATCH, IN, OUT, assert_whole_chain_fused, fused_programs
 from fxfuse.epilogue import EPILOGUE_OPS, NORM, POINTWISE, REDUCTION
+from fxfuse.program import run_program
 
 
 class LinearThenReference(nn.Module):
@@ -93,3 +94,48 @@ def test_issue_2_vocabulary_is_covered():
                 "group_norm", "layer_norm", "rms_norm", "batch_norm", "softmax", "log_softmax",
                 "sum", "mean", "amax", "amin", "logsumexp"}
     assert required <= set(EPILOGUE_OPS), sorted(required - set(EPILOGUE_OPS))
+
+
+# ---------------------------------------------------------------- over a features dim of one value
+
+ONE_VALUE_OPS = [name for name, spec in EPILOGUE_OPS.items() if spec.over_one_feature is not None]
+SPECIAL_VALUES = [0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1.5, -2.25, 3e38, -1e-30]
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                                   reason="needs a CUDA GPU")])]
+
+
+def over_one_feature_program(op):
+    """The program text that stands for `op` on a value of one feature (%0), from its spec's steps."""
+    instructions, result = [], "%0"
+    for step, args in EPILOGUE_OPS[op].over_one_feature:
+        texts = ["%0" if a == "x" else result if a == "y" else repr(a) for a in args]
+        instructions.append(f"{step}({','.join(texts)})")
+        result = f"%{len(instructions)}"
+    return ";".join(instructions)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("op", ONE_VALUE_OPS)
+def test_each_ops_steps_over_one_feature_are_its_reference(op, dtype, device):
+    """Bit for bit (signs of zero included; NaN where the reference has NaN), the same gradient, and the same dtype
+    under autocast (CUDA's runs sum, logsumexp, softmax and log_softmax in float32)."""
+    spec = EPILOGUE_OPS[op]
+    x = torch.tensor(SPECIAL_VALUES + torch.randn(7).tolist(), dtype=dtype, device=device).reshape(-1, 1)
+    attrs = {"dim": -1, "keepdim": True} if spec.kind == REDUCTION else {"dim": -1}
+    program = over_one_feature_program(op)
+    steps = (lambda value: run_program(value, [], program)) if program else (lambda value: value)
+    expected, actual = spec.reference(x, **attrs), steps(x)
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    nan = expected.isnan()
+    wrong = (nan != actual.isnan()) | (~nan & ((actual != expected) | (actual.signbit() != expected.signbit())))
+    assert not wrong.any(), (f"row {wrong.nonzero()[0, 0].item()}: {x[wrong][0].item()} -> steps "
+                             f"{actual[wrong][0].item()}, reference {expected[wrong][0].item()}")
+    leaf, cotangent = x.clone().requires_grad_(True), torch.randn(x.shape).to(x)
+    (grad_reference,) = torch.autograd.grad(spec.reference(leaf, **attrs), leaf, cotangent)
+    (grad_steps,) = torch.autograd.grad(steps(leaf), leaf, cotangent)
+    finite = x.isfinite().flatten()
+    torch.testing.assert_close(grad_steps[finite], grad_reference[finite], rtol=0, atol=0)
+    for low in (torch.bfloat16, torch.float16):
+        with torch.autocast(device, dtype=low):
+            assert steps(x).dtype == spec.reference(x, **attrs).dtype, f"under {device} autocast to {low}"
