@@ -29,6 +29,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <c10/util/accumulate.h>
 #include <torch/library.h>
 #if __has_include(<cublasLt.h>)  // the GEMM below runs through cuBLASLt where the toolkit has cuBLAS's headers
 #include <cublasLt.h>
@@ -368,18 +369,24 @@ int lay_out_for_fast_kernel(RowProgram& row, std::optional<RowLayout>& layout, i
   return values;
 }
 
+// The memory of `t` (from its start) as a contiguous tensor of `shape`, one of its own rather than a view: autograd
+// refuses in-place ops on an op's outputs that are views of tensors the op made, where eager's results take them.
+at::Tensor contiguous_over(const at::Tensor& t, c10::IntArrayRef shape) {
+  std::vector<int64_t> strides(shape.size(), 1);
+  for (int d = static_cast<int>(shape.size()) - 2; d >= 0; --d) strides[d] = strides[d + 1] * shape[d + 1];
+  at::Tensor output = at::empty({0}, t.options());
+  output.set_(t.storage(), t.storage_offset(), shape, strides);
+  return output;
+}
+
 // The broadcast tail's output. Where the row phase wrote elsewhere and y is not returned, y is dead once the row
 // kernel has read it: the tail writes into y's memory instead, and its dirty lines in L2 are overwritten rather
 // than written back beside the output's (the min + bias example: 16 MB less DRAM traffic per call).
 at::Tensor tail_output(const std::vector<int64_t>& shape, const at::Tensor& y, const at::Tensor& row_result,
                        bool keep_gemm_output) {
-  std::vector<int64_t> strides(shape.size(), 1);
-  for (int d = static_cast<int>(shape.size()) - 2; d >= 0; --d) strides[d] = strides[d + 1] * shape[d + 1];
-  const int64_t numel = shape.empty() ? 1 : strides[0] * shape[0];
-  if (keep_gemm_output || row_result.is_alias_of(y) || numel > y.numel()) return at::empty(shape, y.options());
-  at::Tensor output = at::empty({0}, y.options());
-  output.set_(y.storage(), 0, shape, strides);
-  return output;
+  if (keep_gemm_output || row_result.is_alias_of(y) || c10::multiply_integers(shape) > y.numel())
+    return at::empty(shape, y.options());
+  return contiguous_over(y, shape);
 }
 
 // The fused op: (out, an undefined tensor), or with keep_gemm_output (gemm_epilogue_train) (out, y), where the
@@ -458,7 +465,8 @@ Outputs run_gemm_epilogue(const at::Tensor& x, const at::Tensor& weight, const s
     tail.output = output.data_ptr();
   } else {
     // An empty program's result is y itself: the training op returns a copy beside it.
-    output = (keep_gemm_output && binding.row_code.empty() ? y.clone() : row_result).view(binding.output_shape);
+    output = contiguous_over(keep_gemm_output && binding.row_code.empty() ? y.clone() : row_result,
+                             binding.output_shape);
   }
 
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -468,7 +476,7 @@ Outputs run_gemm_epilogue(const at::Tensor& x, const at::Tensor& weight, const s
   else if (x.scalar_type() == at::kBFloat16)
     launch<Bf16Storage>(binding, row, layout, shared_bytes, fast_values, tail, early, stream);
   else launch<Fp16Storage>(binding, row, layout, shared_bytes, fast_values, tail, early, stream);
-  return {output, keep_gemm_output ? y.view(ctx.full) : at::Tensor()};
+  return {output, keep_gemm_output ? contiguous_over(y, ctx.full) : at::Tensor()};
 }
 
 at::Tensor gemm_epilogue_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,

@@ -557,6 +557,23 @@ def example_params(name, n, dtype, device="cuda"):
     return [rand(n), rand(n)]
 
 
+@pytest.mark.parametrize("op", ["gemm_epilogue", "gemm_epilogue_train"])
+@pytest.mark.parametrize("program", [*EXAMPLES, "softmax(%0,-1)", "sum(%0,-1,True)", "logsumexp(%0,-1,False)"])
+def test_results_take_in_place_ops_under_autograd_as_eagers_do(program, op):
+    """A result that is a view of a tensor the op made (y seen as the output's shape) refuses in-place ops under
+    autograd ('a view ... created inside a custom Function'); eager's results take them."""
+    params = example_params(program, 1024, torch.float32) if program in EXAMPLES else []
+    x, weight, bias = linear_inputs(64, 96, 1024, torch.float32)
+    for tensor in (weight, bias, *params):
+        tensor.requires_grad_(True)
+    result = getattr(torch.ops.fxfuse, op)(x, weight, bias, params, EXAMPLES.get(program, program))
+    out = result[0] if op == "gemm_epilogue_train" else result
+    assert out._base is None
+    out.mul_(2)
+    out.sum().backward()
+    assert weight.grad is not None and weight.grad.isfinite().all()
+
+
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"], indirect=True)
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
 def test_examples_at_full_size(name, precision):
