@@ -33,7 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 LINEAR = "linear"      # the GEMM anchor: operands (x, weight, bias); attr transpose_weight
-IDENTITY = "identity"  # a no-op in the region (eval-mode dropout, nn.Identity, contiguous)
+IDENTITY = "identity"  # a no-op in the region (eval-mode dropout, nn.Identity, contiguous, clone)
 COVERED = "covered"    # a node that another canonical op stands for (its only operand): matched through it
 
 
@@ -171,6 +171,19 @@ def _contiguous(a, inplace):
     if a["memory_format"] not in (None, torch.contiguous_format):  # channels_last: other strides, or eager raises
         raise NotFusible(f"contiguous with memory_format={a['memory_format']}")
     return Canonical(IDENTITY, (a["input"],), {})
+
+
+@spelling("(input, *, memory_format=None)", functions=(torch.clone,), methods=("clone",))
+def _clone(a, inplace):
+    if a["memory_format"] not in (None, torch.preserve_format, torch.contiguous_format):
+        raise NotFusible(f"clone with memory_format={a['memory_format']}")
+    # a copy; an in-place op on it is refused where the original is read after it, as for an alias: conservative
+    return Canonical(IDENTITY, (a["input"],), {})
+
+
+@spelling("(input)", functions=(torch.detach,), methods=("detach",))
+def _detach(a, inplace):
+    return Canonical("detach", (a["input"],), {})
 
 
 def _inplace(a, inplace):

@@ -43,6 +43,9 @@ class EpilogueOp:
     positive_domain: bool = False
     # A binary op that takes a number for one operand (add, mul...); torch.maximum takes two tensors.
     takes_numbers: bool = True
+    # Passes its value on but no gradient (detach): a region's result must also depend on the GEMM through other ops
+    # (match.py), and the generic tests use it beside its input, as `h + h.detach()`.
+    gradient_free: bool = False
     # What a norm or reduction over the features computes where they are one value (a row that an earlier keepdim
     # reduction left), as pointwise steps (op, operands and attributes) on that value "x" and the previous step's
     # result "y"; () is the value itself, None leaves such an op out of the region. The generic tests hold each to
@@ -58,7 +61,7 @@ EPILOGUE_OPS: dict[str, EpilogueOp] = {}
 
 
 def epilogue_op(kind: str, *, samples=({},), feature_operands=(), feature_dim_attr=None, positive_domain=False,
-                takes_numbers=True, over_one_feature=None):
+                takes_numbers=True, over_one_feature=None, gradient_free=False):
     """Register a reference function as a canonical epilogue op named after the function."""
 
     def register(fn):
@@ -69,7 +72,7 @@ def epilogue_op(kind: str, *, samples=({},), feature_operands=(), feature_dim_at
             name=fn.__name__, kind=kind, operands=operands, attrs=attrs, reference=fn,
             feature_operands=frozenset(feature_operands), samples=tuple(samples),
             feature_dim_attr=feature_dim_attr, positive_domain=positive_domain, takes_numbers=takes_numbers,
-            over_one_feature=over_one_feature)
+            over_one_feature=over_one_feature, gradient_free=gradient_free)
         return fn
 
     return register
@@ -234,6 +237,11 @@ def log1p(x):
 @epilogue_op(POINTWISE)
 def expm1(x):
     return torch.expm1(x)
+
+
+@epilogue_op(POINTWISE, gradient_free=True)
+def detach(x):
+    return x.detach()
 
 
 @epilogue_op(POINTWISE)

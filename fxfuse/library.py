@@ -98,7 +98,9 @@ def _reference_gradients(function, grad_output, inputs, needs_grad):
                   for t, need in zip(inputs, needs_grad)]
         wanted = [leaf for leaf, need in zip(leaves, needs_grad) if need]
         out = function(*leaves)
-        grads = torch.autograd.grad(out, wanted, grad_output, allow_unused=True) if wanted else ()
+        # (a program whose result is detached from every input has no gradient: zeros)
+        grads = torch.autograd.grad(out, wanted, grad_output, allow_unused=True) if wanted and out.requires_grad \
+            else [None] * len(wanted)
     result = []
     for leaf, grad in zip(wanted, grads):
         if grad is None:

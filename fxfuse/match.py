@@ -724,13 +724,26 @@ def find_region(gm: fx.GraphModule, anchor: fx.Node, canon, facts: Facts):
     largest_problem = None
     for snapshot, output in reversed(candidates):
         region = _region_of(growth, snapshot, output)
-        problem = prove_legal(gm, region, facts) or _mutation_problem(region, canon, facts)
+        problem = _gradient_problem(region) or prove_legal(gm, region, facts) or _mutation_problem(region, canon, facts)
         if problem is None:
             if largest_problem is not None:
                 misses.insert(0, NearMiss(anchor, growth.members[snapshot[0]], largest_problem))
             return region, _keep_relevant(misses, growth, region)
         largest_problem = largest_problem or problem
     return None, [NearMiss(anchor, anchor, largest_problem)]
+
+
+def _gradient_problem(region: Region) -> str | None:
+    """A result that depends on the GEMM only through detach has no gradient from it in eager (the GEMM's weight gets
+    none, and with no other param the result requires none), where the fused op's would be zeros."""
+    reaches = {0}  # the values the GEMM output's gradient reaches
+    for index, ins in enumerate(region.program.instructions, start=1):
+        spec = EPILOGUE_OPS[ins.op.rstrip("_")]
+        if not spec.gradient_free and any(isinstance(o, Value) and o.index in reaches for o in ins.operands):
+            reaches.add(index)
+    if len(region.program.instructions) in reaches:
+        return None
+    return f"{describe(region.output)} depends on the GEMM only through detach, so eager gives the GEMM no gradient"
 
 
 def _region_of(growth: _Growth, snapshot: tuple, output: fx.Node) -> Region:

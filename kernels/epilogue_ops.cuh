@@ -367,6 +367,13 @@ struct Expm1 {
   __device__ static float backward(float x, float grad, const Attrs&) { return grad * (expm1f(x) + 1.0f); }
 };
 
+// fxfuse/epilogue.py::detach (the value, and no gradient whatever the gradient is: not grad * 0)
+struct Detach {
+  static constexpr int num_attrs = 0;
+  __device__ static float apply(float x, const Attrs&) { return x; }
+  __device__ static float backward(float, float, const Attrs&) { return 0.0f; }
+};
+
 // fxfuse/epilogue.py::sin
 struct Sin {
   static constexpr bool calls_libm = true;
@@ -611,7 +618,7 @@ struct Logsumexp {
   X(hardswish, Hardswish) X(hardsigmoid, Hardsigmoid) X(exp, Exp) X(log, Log) X(rsqrt, Rsqrt) X(abs, Abs)              \
   X(pow, Pow) X(sqrt, Sqrt) X(reciprocal, Reciprocal) X(erf, Erf) X(log1p, Log1p) X(expm1, Expm1) X(sin, Sin)          \
   X(cos, Cos) X(log_sigmoid, LogSigmoid) X(softsign, Softsign) X(tanhshrink, Tanhshrink) X(threshold, Threshold)       \
-  X(hardshrink, Hardshrink) X(softshrink, Softshrink)
+  X(hardshrink, Hardshrink) X(softshrink, Softshrink) X(detach, Detach)
 
 #define FXFUSE_BINARY_OPS(X) X(add, Add) X(sub, Sub) X(mul, Mul) X(div, Div) X(maximum, Maximum) X(minimum, Minimum)
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import fxfuse
 from epilogue_models import (BATCH, IN, OUT, GemmThen, assert_reason, assert_whole_chain_fused, fused_programs,
                              leftover_compute, reasons)
-from fxfuse.testing import assert_close_report, assert_fuses, assert_not_fused, fused_op_count
+from fxfuse.testing import assert_close_report, assert_fuses, assert_gradients_match, assert_not_fused, fused_op_count
 
 
 def rows(batch=BATCH, features=IN, dtype=torch.float32):
@@ -218,6 +218,21 @@ def test_a_reduced_value_broadcast_back_to_full_rows_is_not_one_feature(epilogue
     assert fused_programs(optimized) == [program]
     assert_reason(optimized, "works on an already reduced value")
     torch.testing.assert_close(optimized(*inputs), model(*inputs))
+
+
+@pytest.mark.parametrize("epilogue", [lambda m, x, y: torch.relu(m.fc(x)).detach(),
+                                      lambda m, x, y: m.fc(x).detach() * 2 + m.shift],
+                         ids=["detached-result", "detached-then-a-param"])
+def test_a_result_that_depends_on_the_gemm_only_through_detach_is_not_fused_with_it(epilogue):
+    """Eager gives the GEMM's weight no gradient there (None, not zeros), and a result of no param needs none."""
+    model = GemmThen(epilogue, shift=nn.Parameter(torch.randn(OUT)))
+    optimized = fxfuse.optimize(model.train(), (rows(),))
+    assert_reason(optimized, "depends on the GEMM only through detach, so eager gives the GEMM no gradient")
+    assert all("detach" not in program for program in fused_programs(optimized))
+    x = rows()
+    assert optimized(x).requires_grad == model(x).requires_grad
+    if model(x).requires_grad:
+        assert_gradients_match(model, optimized, (x,))
 
 
 def test_min_whose_indices_are_used_too():
@@ -774,6 +789,8 @@ EAGER_ERRORS = {
     "add-with-a-boolean-alpha": (lambda m, x, y: torch.add(m.fc(x), 2, alpha=True), RuntimeError),
     "contiguous-as-channels_last": (lambda m, x, y: torch.relu(m.fc(x).contiguous(memory_format=torch.channels_last)),
                                     RuntimeError),
+    "clone-as-channels_last": (lambda m, x, y: torch.relu(m.fc(x).clone(memory_format=torch.channels_last)),
+                               RuntimeError),
     # an in-place op keeps its value's shape: eager raises where the result would be bigger
     "in-place-mul-by-a-bigger-tensor": (lambda m, x, y: m.fc(x).mul_(torch.ones(3, 1, OUT)), RuntimeError),
     "in-place-mul-of-a-reduced-value": (lambda m, x, y: (lambda h: h.sum(-1, keepdim=True).mul_(h))(m.fc(x)),

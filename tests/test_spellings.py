@@ -293,6 +293,13 @@ POINTWISE = [
     case("F.dropout-training=False", "relu", lambda m, x, y: F.relu(F.dropout(m.fc(x), 0.3, training=False))),
     case("nn.Identity", "relu", lambda m, x, y: F.relu(m.ident(m.fc(x))), ident=nn.Identity()),
     case("contiguous", "relu", lambda m, x, y: F.relu(m.fc(x).contiguous())),
+    case("clone", "relu", lambda m, x, y: F.relu(m.fc(x).clone())),
+    case("torch.clone-preserve_format", "relu",
+         lambda m, x, y: F.relu(torch.clone(m.fc(x), memory_format=torch.preserve_format))),
+    # KernelBench's Matmul_Scaling_ResidualAdd: a residual of the value without its gradient
+    case("clone().detach()-residual", "detach",
+         lambda m, x, y: (lambda h: h * 0.5 + h.clone().detach())(m.fc(x))),
+    case("torch.detach-residual", "detach", lambda m, x, y: (lambda h: torch.detach(h) * h)(m.fc(x))),
     case("eval-AlphaDropout", "elu", lambda m, x, y: F.selu(m.drop(m.fc(x))), drop=nn.AlphaDropout(0.2).eval()),
     case("eval-FeatureAlphaDropout", "relu", lambda m, x, y: F.relu(m.drop(m.fc(x))),
          drop=nn.FeatureAlphaDropout(0.2).eval()),
