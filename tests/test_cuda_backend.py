@@ -13,7 +13,7 @@ import torch
 
 import fxfuse
 from fxfuse.modelfile import example_files, load_model_file
-from fxfuse.testing import fused_op_count
+from fxfuse.testing import fused_op_count, gradients
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("fresh_dynamo")]
 
@@ -103,3 +103,45 @@ def test_exported_optimized_model(name, precision, device="cuda"):
         for size in (inputs[0].shape[0], 100):
             batch_inputs = _resized(inputs, size)
             judge.check(program.module()(*batch_inputs), batch_inputs, f"{name} {precision} batch {size}")
+
+
+# KernelBench's level-2 chains of reductions of reduced values, residuals without a gradient and subtracted means.
+def _max_minus_mean_gelu(m, x):  # Gemm_Max_Subtract_GELU
+    r = torch.max(m.fc(x), dim=1, keepdim=True).values
+    return torch.nn.functional.gelu(r - r.mean(dim=1, keepdim=True))
+
+
+def _sum_max_mean_logsumexp_twice(m, x):  # Matmul_Sum_Max_AvgPool_LogSumExp_LogSumExp
+    r = m.fc(x).sum(1, keepdim=True).max(1, keepdim=True)[0].mean(1, keepdim=True)
+    return torch.logsumexp(torch.logsumexp(r, 1, keepdim=True), 1, keepdim=True)
+
+
+def _scaled_plus_detached(m, x):  # Matmul_Scaling_ResidualAdd
+    h = m.fc(x)
+    return h * 0.5 + h.clone().detach()
+
+
+class _Chain(torch.nn.Module):
+    def __init__(self, chain):
+        super().__init__()
+        self.fc, self.chain = torch.nn.Linear(512, 1024), chain
+
+    def forward(self, x):
+        return self.chain(self, x)
+
+
+@pytest.mark.parametrize("precision", sorted(DTYPES))
+@pytest.mark.parametrize("chain", [_max_minus_mean_gelu, _sum_max_mean_logsumexp_twice, _scaled_plus_detached])
+def test_kernelbench_chains_fuse_whole_and_train(chain, precision):
+    dtype = DTYPES[precision]
+    model = _Chain(chain).to("cuda", dtype)
+    x = torch.randn(300, 512, device="cuda", dtype=dtype)
+    optimized = fxfuse.optimize(model, [x])
+    assert fused_op_count(optimized) == 1 and not optimized.fxfuse_report.near_misses
+    Judge(model, dtype).check(optimized(x), [x], chain.__name__)
+    params = list(model.parameters())
+    expected, actual = gradients(model, [x], params), gradients(optimized, [x], params)
+    bound = 1e-4 if dtype == torch.float32 else 2e-2
+    for name, want, got in zip(["x", "weight", "bias"], expected, actual):
+        error = (got - want).abs().max().item()  # within the bound of the largest, or exactly eager's 0
+        assert error <= bound * want.abs().max().item(), f"{chain.__name__}: d/d{name} off by {error:.3g}"
