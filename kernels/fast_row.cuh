@@ -516,7 +516,7 @@ RowKernel chain_kernel(const RowProgram& prog) {
 }
 
 template <class S, int VALUES>
-void launch_fast_row_program(const RowProgram& prog, const RowLaunch& launch, cudaStream_t stream) {
+bool launch_fast_row_program(const RowProgram& prog, const RowLaunch& launch, cudaStream_t stream) {
   const bool whole_rows = prog.features == prog.threads_per_row * VALUES;
   const bool all_unary_ops = uses_libm_unary_op(prog);
   RowKernel kernel = whole_rows ? chain_kernel<S, VALUES, false>(prog) : nullptr;
@@ -531,6 +531,7 @@ void launch_fast_row_program(const RowProgram& prog, const RowLaunch& launch, cu
   sized.row_groups = (prog.rows + launch.rows_per_block - 1) / launch.rows_per_block;
   const int64_t staging_bytes = int64_t{threads} * VALUES * sizeof(typename S::Raw);
   const RowGrid grid = row_grid(kernel, threads, staging_bytes);
+  if (grid.blocks == 0) return false;
   const unsigned blocks = static_cast<unsigned>(std::min(sized.row_groups, grid.blocks));
   const int64_t slots = (sized.row_groups + blocks - 1) / blocks * launch.rows_per_block;  // rows a block takes
   const bool rows_across_warps = prog.threads_per_row > 32;
@@ -538,12 +539,13 @@ void launch_fast_row_program(const RowProgram& prog, const RowLaunch& launch, cu
   if (chained && prog.output_per_row && rows_across_warps && slots <= kRowMinSlots)
     min_by_atomics = chain_kernel<S, VALUES, true>(prog);
   sized.row_min_slots = 0;
-  if (min_by_atomics != nullptr) {
-    row_grid(min_by_atomics, threads, staging_bytes);  // its shared-memory attribute; the chain's occupancy
+  // (row_grid sets the atomics build's shared-memory attribute; the grid stays the chain's)
+  if (min_by_atomics != nullptr && row_grid(min_by_atomics, threads, staging_bytes).blocks > 0) {
     kernel = min_by_atomics;
     sized.row_min_slots = static_cast<int32_t>(slots);
   }
   launch_kernel(kernel, blocks, threads, staging_bytes, launch.early, stream, sized);
+  return true;
 }
 
 }  // namespace fxfuse

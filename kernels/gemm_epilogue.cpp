@@ -321,32 +321,36 @@ bool epilogue_launches_early(const at::Tensor& x) {
 
 // The fast row kernel's build of `values` a thread (fp32 has one, of kRowValues).
 template <class Storage>
-void launch_fast_row(const RowProgram& row, const RowLaunch& row_launch, int values, cudaStream_t stream) {
+bool launch_fast_row(const RowProgram& row, const RowLaunch& row_launch, int values, cudaStream_t stream) {
   if constexpr (!std::is_same_v<Storage, Fp32Storage>) {
     if (values == kLongRowValues) return launch_fast_row_program<Storage, kLongRowValues>(row, row_launch, stream);
   }
-  launch_fast_row_program<Storage, kRowValues>(row, row_launch, stream);
+  return launch_fast_row_program<Storage, kRowValues>(row, row_launch, stream);
 }
 
 // The row kernel (the fast one where lay_out_for_fast_kernel gave its values a thread, `fast_values`; else the
-// general interpreter, with or without slots) and the broadcast tail, where the program has them.
+// general interpreter, with or without slots) and the broadcast tail, where the program has them; false, with
+// nothing launched, where the row kernel cannot have its shared memory on this device.
 template <class Storage>
-void launch(const Binding& binding, const RowProgram& row, const std::optional<RowLayout>& layout,
+bool launch(const Binding& binding, const RowProgram& row, const std::optional<RowLayout>& layout,
             int64_t shared_bytes, int fast_values, const TailProgram& tail, bool early, cudaStream_t stream) {
   if (!binding.row_code.empty()) {
     const RowLaunch row_launch{layout->rows_per_block, shared_bytes, early};
     const bool general = needs_general_row_kernel(row);
+    bool launched;
     if (fast_values > 0) {
-      launch_fast_row<Storage>(row, row_launch, fast_values, stream);
+      launched = launch_fast_row<Storage>(row, row_launch, fast_values, stream);
     } else if (binding.slots_used > 0) {
-      if (general) launch_row_program<Storage, kMaxSlots, true>(row, row_launch, stream);
-      else launch_row_program<Storage, kMaxSlots, false>(row, row_launch, stream);
+      launched = general ? launch_row_program<Storage, kMaxSlots, true>(row, row_launch, stream)
+                         : launch_row_program<Storage, kMaxSlots, false>(row, row_launch, stream);
     } else {
-      if (general) launch_row_program<Storage, 0, true>(row, row_launch, stream);
-      else launch_row_program<Storage, 0, false>(row, row_launch, stream);
+      launched = general ? launch_row_program<Storage, 0, true>(row, row_launch, stream)
+                         : launch_row_program<Storage, 0, false>(row, row_launch, stream);
     }
+    if (!launched) return false;
   }
   if (binding.has_tail) launch_broadcast_tail<Storage>(tail, early, stream);
+  return true;
 }
 
 // The fast row kernel's values a thread where it runs `row`, laid out for it (0 where it does not): its own
@@ -471,11 +475,14 @@ Outputs run_gemm_epilogue(const at::Tensor& x, const at::Tensor& weight, const s
 
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const bool early = epilogue_launches_early(x);
+  bool launched;
   if (x.scalar_type() == at::kFloat)
-    launch<Fp32Storage>(binding, row, layout, shared_bytes, fast_values, tail, early, stream);
+    launched = launch<Fp32Storage>(binding, row, layout, shared_bytes, fast_values, tail, early, stream);
   else if (x.scalar_type() == at::kBFloat16)
-    launch<Bf16Storage>(binding, row, layout, shared_bytes, fast_values, tail, early, stream);
-  else launch<Fp16Storage>(binding, row, layout, shared_bytes, fast_values, tail, early, stream);
+    launched = launch<Bf16Storage>(binding, row, layout, shared_bytes, fast_values, tail, early, stream);
+  else launched = launch<Fp16Storage>(binding, row, layout, shared_bytes, fast_values, tail, early, stream);
+  // (the GEMM ran for nothing: only cards with less shared memory a block than the H100's 227 KB get here)
+  if (!launched) return fallback("the row kernel needs more shared memory than this device gives a block");
   return {output, keep_gemm_output ? contiguous_over(y, ctx.full) : at::Tensor()};
 }
 

@@ -1056,13 +1056,14 @@ RowGrid row_grid(Kernel kernel, int threads, int64_t shared_bytes) {
 // Stages every param that is the same for all rows (row_stride 0) in shared memory, in param order, while the
 // grid's spare shared memory lasts; the rest are read from global memory.
 template <class S, int SLOTS, bool GENERAL>
-void launch_row_program(const RowProgram& prog, const RowLaunch& launch, cudaStream_t stream) {
+bool launch_row_program(const RowProgram& prog, const RowLaunch& launch, cudaStream_t stream) {
   const auto kernel = row_program_kernel<S, SLOTS, GENERAL>;
   const int threads = launch.rows_per_block * prog.threads_per_row;
   const int64_t row_groups = (prog.rows + launch.rows_per_block - 1) / launch.rows_per_block;
   const int64_t staging_bytes = prog.vector_io ? int64_t{threads} * kRowValues * sizeof(typename S::Raw) : 0;
   const int64_t shared_bytes = (launch.shared_bytes + 15) / 16 * 16 + staging_bytes;
   const RowGrid grid = row_grid(kernel, threads, shared_bytes);
+  if (grid.blocks == 0) return false;
 
   RowProgram staged = prog;
   staged.row_groups = row_groups;
@@ -1081,6 +1082,7 @@ void launch_row_program(const RowProgram& prog, const RowLaunch& launch, cudaStr
   const unsigned blocks = static_cast<unsigned>(std::min(row_groups, grid.blocks));
   kernel<<<blocks, threads, shared_bytes + staged_bytes, stream>>>(staged);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return true;
 }
 
 using TailKernel = void (*)(TailProgram);

@@ -308,11 +308,13 @@ inline bool uses_libm_unary_op(const RowProgram& prog) {
 
 // The launchers, explicitly instantiated one storage type, slot count and kernel generality per translation
 // unit (row_program_*.cu, broadcast_tail.cu), so that ninja compiles them in parallel; each launches on
-// `stream` and checks the launch.
+// `stream` and checks the launch. The row launchers launch nothing and return false where a block cannot have the
+// shared memory the program needs on this device (an sm_86 card's 99 KB: fp32 rows past 8192 features whose groups
+// sit in shared memory ask 112 KB).
 template <class Storage, int SLOTS, bool GENERAL>
-void launch_row_program(const RowProgram& prog, const RowLaunch& launch, cudaStream_t stream);
+bool launch_row_program(const RowProgram& prog, const RowLaunch& launch, cudaStream_t stream);
 template <class Storage, int VALUES>
-void launch_fast_row_program(const RowProgram& prog, const RowLaunch& launch, cudaStream_t stream);
+bool launch_fast_row_program(const RowProgram& prog, const RowLaunch& launch, cudaStream_t stream);
 template <class Storage>
 void launch_broadcast_tail(const TailProgram& prog, bool early, cudaStream_t stream);
 // The backward row kernel (backward_interpreter.cuh): its persistent grid's block count for `threads` threads,

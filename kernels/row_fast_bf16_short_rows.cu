@@ -4,6 +4,6 @@
 
 namespace fxfuse {
 
-template void launch_fast_row_program<Bf16Storage, kRowValues>(const RowProgram&, const RowLaunch&, cudaStream_t);
+template bool launch_fast_row_program<Bf16Storage, kRowValues>(const RowProgram&, const RowLaunch&, cudaStream_t);
 
 }  // namespace fxfuse

@@ -4,6 +4,6 @@
 
 namespace fxfuse {
 
-template void launch_row_program<Fp16Storage, kMaxSlots, false>(const RowProgram&, const RowLaunch&, cudaStream_t);
+template bool launch_row_program<Fp16Storage, kMaxSlots, false>(const RowProgram&, const RowLaunch&, cudaStream_t);
 
 }  // namespace fxfuse

@@ -4,6 +4,6 @@
 
 namespace fxfuse {
 
-template void launch_row_program<Fp32Storage, 0, false>(const RowProgram&, const RowLaunch&, cudaStream_t);
+template bool launch_row_program<Fp32Storage, 0, false>(const RowProgram&, const RowLaunch&, cudaStream_t);
 
 }  // namespace fxfuse
