@@ -809,9 +809,14 @@ def test_a_model_optimized_on_the_cpu_then_moved_to_the_gpu_runs_the_kernels():
               "model.cuda(); x = torch.randn(5, 24, device='cuda'); out = optimized(x); "
               "assert k.loaded() and torch._C._dispatch_has_kernel_for_dispatch_key('fxfuse::gemm_epilogue', 'CUDA'); "
               "torch.testing.assert_close(out, model(x)); print('ran the kernels')")
+    assert_a_new_process_prints(script, "ran the kernels")
+
+
+def assert_a_new_process_prints(script, line):
+    """Runs `script` in a Python process of its own (nothing of fxfuse loaded yet); it must print `line`."""
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=dict(os.environ),
                             timeout=900)
-    assert result.returncode == 0 and "ran the kernels" in result.stdout, result.stderr[-2000:]
+    assert result.returncode == 0 and line in result.stdout, result.stderr[-2000:]
 
 
 def test_a_processs_first_fused_call_can_be_inside_cuda_graph_capture():
@@ -825,9 +830,7 @@ def test_a_processs_first_fused_call_can_be_inside_cuda_graph_capture():
               "with_graph.__exit__(None, None, None); assert k.loaded(); "
               "fresh = torch.randn(200, 64, device='cuda'); static_x.copy_(fresh); static_out.fill_(float('nan')); "
               "graph.replay(); torch.testing.assert_close(static_out, model(fresh)); print('replayed')")
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=dict(os.environ),
-                            timeout=900)
-    assert result.returncode == 0 and "replayed" in result.stdout, result.stderr[-2000:]
+    assert_a_new_process_prints(script, "replayed")
 
 
 def test_load_is_cheap_once_loaded():
