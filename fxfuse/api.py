@@ -101,11 +101,12 @@ class FusedGraphModule(fx.GraphModule):
 
     def __deepcopy__(self, memo):
         copied = super().__deepcopy__(memo)
-        _adopt_state(copied, _state_of(copy.deepcopy(self.__dict__, memo)))
-        copied.traced_training = self.traced_training
-        copied.inlined = copy.deepcopy(self.inlined, memo)
-        if "_stands_for" in self.__dict__:
-            copied.__dict__["_stands_for"] = copy.deepcopy(self.__dict__["_stands_for"], memo)
+        attributes = copy.deepcopy(self.__dict__, memo)
+        _adopt_state(copied, _state_of(attributes))
+        # The model's plain attributes, which its root hooks read, and fxfuse's (traced_training, inlined,
+        # _stands_for): GraphModule's copy keeps only what the graph reads.
+        for name in (k for k in attributes if k not in copied.__dict__):
+            copied.__dict__[name] = attributes[name]
         return copied
 
     def __reduce__(self):

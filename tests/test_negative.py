@@ -1671,6 +1671,17 @@ def test_a_roots_hook_that_reads_a_plain_attribute_of_the_model_runs():
     assert optimized.scale == 2.0
 
 
+def test_a_deep_copy_keeps_the_plain_attributes_the_roots_hooks_read():
+    """GraphModule's deepcopy keeps only what the graph reads: the copy's hook raised AttributeError for `scale`."""
+    model, x = nn.Sequential(nn.Linear(IN, OUT), nn.ReLU()).eval(), rows()
+    model.scale = 2.0
+    model.register_forward_hook(lambda module, args, output: output * module.scale)
+    copied = copy.deepcopy(fxfuse.optimize(model, (x,)))
+    assert fused_op_count(copied) == 1
+    with torch.no_grad():
+        assert_close_report(copied(x), model(x))
+
+
 def test_the_roots_state_dict_hooks_run_around_the_optimized_model():
     model = nn.Sequential(nn.Linear(IN, OUT), nn.ReLU()).eval()
     legacy = {"fc.weight": model[0].weight.detach().clone(), "fc.bias": model[0].bias.detach().clone()}
