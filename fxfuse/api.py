@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .report import MissRow, Report
 from .match import MODE_SETTERS
 from .canonicalize import CALL_HOOK_DICTS, augmented_assignment, has_call_hooks, hooks_of, signatures_of
-from .rewrite import GRAPH_HELPERS, fuse_graph
+from .rewrite import FIRST_CHECKS, GRAPH_HELPERS, NotOptimizedForThisCall, fuse_graph, require_traced_as_tensor
 
 logger = logging.getLogger("fxfuse")
 
@@ -99,12 +99,26 @@ class FusedGraphModule(fx.GraphModule):
             cached = self.__dict__["_inlined_hooks_cache"] = (self.inlined, dicts)
         return cached[1]
 
+    def recompile(self):
+        python_code = super().recompile()
+        if any(node.op == "call_function" and node.target in FIRST_CHECKS for node in self.graph.nodes):
+            type(self).forward = _model_forward_where_refused(type(self).forward)  # (each instance has a class of its own)
+        return python_code
+
+    def _run_model_forward(self, *args, **kwargs):
+        """The model's own forward (its class's, `_eager_class`), on this module's children, tensors, mode and plain
+        attributes: what eager computes for a call that this graph's first checks refuse."""
+        model_class = self.__dict__["_eager_class"]
+        model = object.__new__(model_class)  # (not the class's __new__: a GraphModule's makes a class of its own)
+        model.__dict__.update(self.__dict__)
+        return model_class.forward(model, *args, **kwargs)
+
     def __deepcopy__(self, memo):
         copied = super().__deepcopy__(memo)
         attributes = copy.deepcopy(self.__dict__, memo)
         _adopt_state(copied, _state_of(attributes))
-        # The model's plain attributes, which its root hooks read, and fxfuse's (traced_training, inlined,
-        # _stands_for): GraphModule's copy keeps only what the graph reads.
+        # The model's plain attributes, which its root hooks and its own forward read, and fxfuse's (traced_training,
+        # inlined, _stands_for, _eager_class); GraphModule's copy keeps only what the graph reads.
         for name in (k for k in attributes if k not in copied.__dict__):
             copied.__dict__[name] = attributes[name]
         return copied
@@ -123,6 +137,19 @@ class FusedGraphModule(fx.GraphModule):
         for name in ("meta", *(k for k in self.__dict__ if k not in fused.__dict__)):
             fused.__dict__[name] = self.__dict__[name]
         return fused
+
+
+def _model_forward_where_refused(forward):
+    """A graph's `forward` that runs the model's own forward instead for a call its first checks refuse (an input of
+    another rank, None for an argument traced as a tensor): they ran before any op, so nothing ran twice."""
+    @functools.wraps(forward)
+    def forward_or_the_models(self, *args, **kwargs):
+        try:
+            return forward(self, *args, **kwargs)
+        except NotOptimizedForThisCall as refusal:
+            logger.debug("%s; this call runs the model's own forward", refusal)
+            return self._run_model_forward(*args, **kwargs)
+    return forward_or_the_models
 
 
 def _hooks_added(module: nn.Module, fused: FusedGraphModule) -> bool:
@@ -228,16 +255,6 @@ def assert_is_none(value, message: str) -> None:
         raise AssertionError(message)
 
 
-def require_traced_as_tensor(value, name: str) -> None:
-    """Called by optimize()'s graphs first for an argument that defaults to None, was a tensor in the example
-    inputs, and picks the forward's code by being None (`if mask is not None:`): the graph ran the tensor's."""
-    if value is None:
-        raise RuntimeError(f"fxfuse: `{name}` was a tensor in the example inputs, so the model was optimized for the "
-                           f"code its forward runs for a tensor there, not for None: run fxfuse.optimize() with None "
-                           f"for `{name}` in the example inputs for the calls without it (or use "
-                           "torch.compile(model, backend='fxfuse'), which recompiles for None)")
-
-
 class _Tracer(fx.Tracer):
     """fx's tracer, with these kept as one call each: a model fxfuse already optimized (its graph checks at each
     call that the modules it folded keep their modes and settings, which tracing through it would run once, at
@@ -246,7 +263,7 @@ class _Tracer(fx.Tracer):
 
     def __init__(self):
         # Calls of their own in a graph traced again.
-        super().__init__(autowrap_functions=(*GRAPH_HELPERS, assert_is_none, require_traced_as_tensor))
+        super().__init__(autowrap_functions=(*GRAPH_HELPERS, assert_is_none))
         # Buffers as graph reads, not their trace-time values: fx otherwise runs `self.buf.exp()` once, at trace
         # time, and keeps the result as a constant that load_state_dict, fill_ or .half() never reach.
         self.proxy_buffer_attributes = True
@@ -835,6 +852,8 @@ def _optimize(model: nn.Module, example_inputs, path: str, report: Report) -> nn
         report.skipped.append(MissRow(path or "<model>", type(model).__name__,
                                       f"fxfuse error, left unfused: {type(error).__name__}: {error}"))
         return _shallow_copy(model)
+    if any(node.target in FIRST_CHECKS for node in gm.graph.nodes):  # (only then: a local class can't be pickled)
+        gm.__dict__["_eager_class"] = model.__dict__.get("_eager_class", type(model))
     if len(report.fused) == fused_before:
         # Nothing to fuse: the model's own forward, not its trace, which would fix what Python decided while
         # tracing (a torch.no_grad() block, `training=self.training`).

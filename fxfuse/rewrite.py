@@ -225,6 +225,12 @@ def require_matrix(x: torch.Tensor, op: str = "mm") -> None:
     raise RuntimeError(f"{op}: the input must be a matrix")  # (eager's op raised above)
 
 
+class NotOptimizedForThisCall(RuntimeError):
+    """Raised by the checks an optimize()'d graph runs before any op of its own, for a call its fused ops were not made
+    for (an input of another rank, None for an argument traced as a tensor): the optimized model then runs its
+    model's own forward for that call (api.FusedGraphModule), which computes, or raises, what eager does."""
+
+
 def require_rank(tensor: torch.Tensor, rank: int, what: str) -> None:
     """Called by optimize()'s rewritten graphs before a fused op that holds for one rank of x only (group_norm's
     channels are dim 1 of a 2-D value; softmax(dim=1) is over the features of a 2-D one), or whose weight is a
@@ -234,6 +240,17 @@ def require_rank(tensor: torch.Tensor, rank: int, what: str) -> None:
         raise RuntimeError(f"fxfuse: this part of the model was optimized for a {rank}-D {what}, for which its fused "
                            f"op computes what its ops do; got a {tensor.dim()}-D one: run fxfuse.optimize() with "
                            "example inputs of these ranks (or use torch.compile(model, backend='fxfuse'))")
+
+
+def require_traced_as_tensor(value, name: str) -> None:
+    """Called by optimize()'s graphs first for an argument that defaults to None, was a tensor in the example
+    inputs, and picks the forward's code by being None (`if mask is not None:`): the graph ran the tensor's, so for
+    None the optimized model runs its model's forward instead (NotOptimizedForThisCall)."""
+    if value is None:
+        raise NotOptimizedForThisCall(
+            f"fxfuse: `{name}` was a tensor in the example inputs, so the model was optimized for the code its forward "
+            f"runs for a tensor there, not for None (run fxfuse.optimize() with None for `{name}` in the example "
+            "inputs to optimize the calls without it)")
 
 
 def require_dtype(x: torch.Tensor, dtypes: tuple, ops: str) -> None:
@@ -290,9 +307,11 @@ def _maybe_number(node, shapes_guarded: bool) -> bool:
         (not shapes_guarded or not any(k in node.meta for k in known))
 
 
+# The checks optimize()'s graphs run before any op: where one fails, the optimized model runs its model's forward.
+FIRST_CHECKS = (require_traced_as_tensor,)
 # What a rewritten graph calls beside its fused ops.
 GRAPH_HELPERS = (require_tensor, require_param, require_eval_mode, require_settings, require_matrix, require_rank,
-                 require_dtype, require_no_function_transform, number_as_tensor, augmented_assignment)
+                 require_dtype, *FIRST_CHECKS, require_no_function_transform, number_as_tensor, augmented_assignment)
 
 
 def _copy_meta(node: fx.Node, source: fx.Node, keys) -> None:

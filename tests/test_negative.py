@@ -3,6 +3,7 @@
 Every test also checks that the optimized model still computes what eager computes.
 """
 import copy
+import pickle
 import warnings
 
 import pytest
@@ -1121,19 +1122,31 @@ def test_an_argument_left_out_of_the_example_inputs_is_traced_as_its_none_defaul
 
 
 
-def test_an_argument_that_defaults_to_none_given_a_tensor_is_guarded_against_none():
-    """Given a tensor, `mask` was traced as one and took the `is not None` branch; a later default call raised the
-    fused op's schema error ("Expected a value of type 'List[Tensor]' for argument 'params'") where eager runs the
-    other branch. It raises fxfuse's error instead, in copies too; a tensor still runs."""
+def test_an_argument_that_defaults_to_none_given_a_tensor_computes_eagers_result_for_none():
+    """Given a tensor, `mask` was traced as one and took the `is not None` branch; a later call with None raised
+    fxfuse's error where eager runs the other branch. For None the optimized model runs the model's own forward (its
+    class's code on the optimized model's children, tensors and attributes), in copies too; a tensor still runs the
+    fused op. (The guard runs before any op: nothing ran twice.)"""
     model, x, mask = OptionalMask().eval(), rows(), torch.rand(OUT)
     optimized = fxfuse.optimize(model, (x, torch.ones(OUT)))
     assert fused_programs(optimized) == ["gelu(%0,'none');mul(%1,$0)"]
-    assert_close_report(optimized(x, mask), model(x, mask))
-    for each in (optimized, copy.deepcopy(optimized)):
-        with pytest.raises(RuntimeError, match="`mask` was a tensor in the example inputs"):
-            each(x)
-        with pytest.raises(RuntimeError, match="`mask` was a tensor in the example inputs"):
-            each(x, mask=None)
+    with torch.no_grad():
+        for each in (optimized, copy.deepcopy(optimized), pickle.loads(pickle.dumps(optimized))):
+            assert_close_report(each(x, mask), model(x, mask))
+            assert_close_report(each(x), model(x))
+            assert_close_report(each(x, mask=None), model(x))
+
+
+def test_a_call_that_runs_the_models_forward_runs_the_roots_hooks_once():
+    model, x = OptionalMask().eval(), rows()
+    optimized = fxfuse.optimize(model, (x, torch.ones(OUT)))
+    calls = []
+    optimized.register_forward_pre_hook(lambda module, args: calls.append("pre"))
+    optimized.register_forward_hook(lambda module, args, output: calls.append("post"))
+    with torch.no_grad():
+        assert_close_report(optimized(x), model(x))
+    assert calls == ["pre", "post"]
+
 
 @pytest.mark.parametrize("hook", ["forward hook", "forward pre-hook"])
 def test_a_module_with_hooks_is_not_fused(hook):
