@@ -379,7 +379,7 @@ def _check_optional_arguments(model: nn.Module, graph: fx.Graph) -> None:
         _, with_none = _traced(model, {name: None for name in read})
     except Exception:  # (no trace with None: a call with None raises in eager too)
         return
-    if _ops_run(with_none) != _ops_run(graph):
+    if _ops_run(with_none) != _ops_run(graph, as_none=read):
         raise RuntimeError(f"its forward runs other code for `{read[0]}` None (its default) and for a tensor, "
                            "which a trace without example inputs can't tell apart (pass example inputs)")
 
@@ -388,14 +388,13 @@ def _guard_optional_arguments(model: nn.Module, graph: fx.Graph, concrete: dict)
     """With example inputs, an argument that defaults to None and was given a tensor is traced as a tensor: where a
     trace with it None runs other ops (or none can be made), `graph` checks first at each call that it is no None."""
     placeholders = {node.target: node for node in graph.nodes if node.op == "placeholder"}
-    ops = _ops_run(graph)
     for name in _none_defaults(model, 0):
         node = placeholders.get(name)
         if name in concrete or node is None or not node.users:
             continue
         try:
             _, with_none = _traced(model, {**concrete, name: None})
-            same = _ops_run(with_none) == ops
+            same = _ops_run(with_none) == _ops_run(graph, as_none=[name])
         except Exception:
             same = False
         if not same:
@@ -403,10 +402,20 @@ def _guard_optional_arguments(model: nn.Module, graph: fx.Graph, concrete: dict)
                 graph.call_function(require_traced_as_tensor, (node, name))
 
 
-def _ops_run(graph: fx.Graph) -> list:
-    """The ops a graph runs, in order, without fx's checks that a concrete argument is still None."""
-    return [(node.op, node.target) for node in graph.nodes if node.op not in ("placeholder", "output")
-            and "assert_is_none" not in getattr(node.target, "__name__", "")]
+def _ops_run(graph: fx.Graph, as_none=()) -> list:
+    """The ops a graph runs, in order, with what each reads (a graph input by name, an op's value by its place), and
+    what it returns; without fx's checks that a concrete argument is still None. The inputs named in `as_none` read
+    as None, as in a trace with them None: `h * mask` there is `h * None`, `h * self.scale` is another op."""
+    ops = [node for node in graph.nodes if node.op != "placeholder"
+           and "assert_is_none" not in getattr(node.target, "__name__", "")]
+    place = {node: i for i, node in enumerate(ops)}
+
+    def read(node: fx.Node):
+        if node.op == "placeholder":
+            return None if node.target in as_none else ("input", node.target)
+        return place.get(node, node.name)
+
+    return [(node.op, node.target, fx.node.map_arg(node.args, read), fx.node.map_arg(node.kwargs, read)) for node in ops]
 
 
 def _keep_argument_names(graph: fx.Graph, concrete: dict) -> None:

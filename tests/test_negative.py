@@ -1137,6 +1137,40 @@ def test_an_argument_that_defaults_to_none_given_a_tensor_computes_eagers_result
             assert_close_report(each(x, mask=None), model(x))
 
 
+class ScaledOptionalMask(nn.Module):
+    """For None its code runs the same ops on other values (`h * self.scale`, not `h * mask`), and calls a method."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(IN, OUT)
+        self.scale = 3.0
+
+    def forward(self, x, mask=None):
+        h = F.gelu(self.fc(x))
+        if mask is not None:
+            return h * mask
+        return self.rescaled(h)
+
+    def rescaled(self, h):
+        return h * self.scale
+
+
+def test_an_argument_whose_none_runs_the_same_ops_on_other_values_is_guarded():
+    """The traces with a tensor and with None were compared by their ops alone (two muls): a call with None ran
+    `h * None` (TypeError), and without example inputs the graph was fused for a tensor. Compared with what each op
+    reads, None runs the model's own forward; without example inputs the model is left to its children."""
+    model, x, mask = ScaledOptionalMask().eval(), rows(), torch.rand(OUT)
+    optimized = fxfuse.optimize(model, (x, torch.ones(OUT)))
+    assert fused_programs(optimized) == ["gelu(%0,'none');mul(%1,$0)"]
+    with torch.no_grad():
+        for each in (optimized, copy.deepcopy(optimized), pickle.loads(pickle.dumps(optimized))):
+            assert_close_report(each(x, mask), model(x, mask))
+            assert_close_report(each(x), model(x))
+        unguessed = fxfuse.optimize(model)
+        assert any("runs other code for `mask`" in row.reason for row in unguessed.fxfuse_report.skipped)
+        assert_close_report(unguessed(x), model(x))
+
+
 def test_a_call_that_runs_the_models_forward_runs_the_roots_hooks_once():
     model, x = OptionalMask().eval(), rows()
     optimized = fxfuse.optimize(model, (x, torch.ones(OUT)))
