@@ -231,15 +231,19 @@ class NotOptimizedForThisCall(RuntimeError):
     model's own forward for that call (api.FusedGraphModule), which computes, or raises, what eager does."""
 
 
+def _rank_message(tensor: torch.Tensor, rank: int, what: str) -> str:
+    return (f"fxfuse: this part of the model was optimized for a {rank}-D {what}, for which its fused op computes "
+            f"what its ops do; got a {tensor.dim()}-D one: run fxfuse.optimize() with example inputs of these ranks "
+            "(or use torch.compile(model, backend='fxfuse'))")
+
+
 def require_rank(tensor: torch.Tensor, rank: int, what: str) -> None:
     """Called by optimize()'s rewritten graphs before a fused op that holds for one rank of x only (group_norm's
     channels are dim 1 of a 2-D value; softmax(dim=1) is over the features of a 2-D one), or whose weight is a
     forward argument (a 3-D one would make eager's matmul batched): eager computes something else for another
     rank, or raises. (Dynamo guards ranks itself.)"""
     if tensor.dim() != rank:
-        raise RuntimeError(f"fxfuse: this part of the model was optimized for a {rank}-D {what}, for which its fused "
-                           f"op computes what its ops do; got a {tensor.dim()}-D one: run fxfuse.optimize() with "
-                           "example inputs of these ranks (or use torch.compile(model, backend='fxfuse'))")
+        raise RuntimeError(_rank_message(tensor, rank, what))
 
 
 def require_traced_as_tensor(value, name: str) -> None:
@@ -251,6 +255,14 @@ def require_traced_as_tensor(value, name: str) -> None:
             f"fxfuse: `{name}` was a tensor in the example inputs, so the model was optimized for the code its forward "
             f"runs for a tensor there, not for None (run fxfuse.optimize() with None for `{name}` in the example "
             "inputs to optimize the calls without it)")
+
+
+def require_argument_rank(value, rank: int, what: str) -> None:
+    """require_rank for a forward argument, called before the graph runs any op: for a tensor of another rank the
+    optimized model runs its model's forward instead (NotOptimizedForThisCall). Anything but a tensor is left to
+    require_tensor, which raises eager's error."""
+    if isinstance(value, torch.Tensor) and value.dim() != rank:
+        raise NotOptimizedForThisCall(_rank_message(value, rank, what))
 
 
 def require_dtype(x: torch.Tensor, dtypes: tuple, ops: str) -> None:
@@ -308,7 +320,7 @@ def _maybe_number(node, shapes_guarded: bool) -> bool:
 
 
 # The checks optimize()'s graphs run before any op: where one fails, the optimized model runs its model's forward.
-FIRST_CHECKS = (require_traced_as_tensor,)
+FIRST_CHECKS = (require_traced_as_tensor, require_argument_rank)
 # What a rewritten graph calls beside its fused ops.
 GRAPH_HELPERS = (require_tensor, require_param, require_eval_mode, require_settings, require_matrix, require_rank,
                  require_dtype, *FIRST_CHECKS, require_no_function_transform, number_as_tensor, augmented_assignment)
@@ -316,6 +328,26 @@ GRAPH_HELPERS = (require_tensor, require_param, require_eval_mode, require_setti
 
 def _copy_meta(node: fx.Node, source: fx.Node, keys) -> None:
     node.meta.update({k: v for k, v in source.meta.items() if k in keys})
+
+
+def _is_argument(value) -> bool:
+    return isinstance(value, fx.Node) and value.op == "placeholder"
+
+
+def _check_first(graph: fx.Graph, position: dict, check, args: tuple) -> None:
+    """A call of `check` before the graph's first op (once), where a failed check can still hand the call to the
+    model's own forward: nothing has run yet."""
+    first = next(node for node in graph.nodes if node.op != "placeholder")
+    checks = []
+    while first.op == "call_function" and first.target in FIRST_CHECKS:
+        checks.append(first)
+        first = first.next
+    if any(node.target is check and node.args == args for node in checks):
+        return
+    with graph.inserting_before(first):
+        node = graph.call_function(check, args)
+    before = position.get(node.prev, position[first] - 1)
+    position[node] = (before + position[first]) / 2
 
 
 def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool, shapes_guarded: bool) -> fx.Node:
@@ -358,9 +390,14 @@ def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool,
         if region.check_matrix:
             op = "addmm" if region.anchor.target is torch.addmm else "mm"
             graph.call_function(require_matrix, (region.x, op))
+        # A forward argument of another rank at a call runs the model's own forward, checked before any op; the check
+        # here stays (an op between may change the argument's rank in place, `x.unsqueeze_(0)`).
         if region.x_rank is not None and not shapes_guarded:
+            if _is_argument(region.x):
+                _check_first(graph, position, require_argument_rank, (region.x, region.x_rank, "input"))
             graph.call_function(require_rank, (region.x, region.x_rank, "input"))
-        if isinstance(region.weight, fx.Node) and region.weight.op == "placeholder" and not shapes_guarded:
+        if _is_argument(region.weight) and not shapes_guarded:
+            _check_first(graph, position, require_argument_rank, (region.weight, 2, "weight"))
             graph.call_function(require_rank, (region.weight, 2, "weight"))
         if not shapes_guarded:
             graph.call_function(require_no_function_transform, (region.x,))

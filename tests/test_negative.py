@@ -4,6 +4,7 @@ Every test also checks that the optimized model still computes what eager comput
 """
 import copy
 import pickle
+import re
 import warnings
 
 import pytest
@@ -2033,31 +2034,78 @@ def test_a_forward_that_appends_to_its_models_list_is_not_traced():
     assert len(model.acts) == 1 and isinstance(model.acts[0], torch.Tensor)
 
 
-@pytest.mark.parametrize("forward, traced_rank", [
-    (lambda m, x, y: F.instance_norm(m.fc(x)), 3),                  # normalizes over the spatial dims
-    (lambda m, x, y: F.group_norm(m.fc(x), 4), 2),                  # channels are dim 1
-    (lambda m, x, y: torch.softmax(m.fc(x), dim=1), 2),             # dim 1 is the features of a 2-D value only
-], ids=["instance_norm", "group_norm", "softmax over dim 1"])
-def test_a_program_that_holds_for_one_rank_raises_for_another(forward, traced_rank):
-    """The fx trace proves the rank from the example inputs and guards nothing: a 4-D input to an instance_norm
-    traced on 3-D ones gave layer_norm's result over the last dim (eager normalizes over the last two)."""
+@pytest.mark.parametrize("forward, traced_rank, other_shape", [
+    (lambda m, x, y: F.instance_norm(m.fc(x)), 3, (2, 3, 5, IN)),      # normalizes over the spatial dims
+    (lambda m, x, y: F.group_norm(m.fc(x), 4), 2, (2, 8, IN)),         # channels are dim 1
+    (lambda m, x, y: torch.softmax(m.fc(x), dim=1), 2, (2, 3, IN)),    # dim 1 is the features of a 2-D value only
+    (lambda m, x, y: torch.relu(m.fc(x)).amax(1, keepdim=True), 2, (2, 3, 5, IN)),
+], ids=["instance_norm", "group_norm", "softmax over dim 1", "amax over dim 1"])
+def test_a_program_that_holds_for_one_rank_computes_eagers_result_for_another(forward, traced_rank, other_shape):
+    """The fx trace proves the rank from the example inputs and guarded nothing: a 4-D input to an instance_norm
+    traced on 3-D ones gave layer_norm's result over the last dim (eager normalizes over the last two); then it
+    raised fxfuse's error where eager computes. The rank of a forward argument is checked before any op, and for
+    another the optimized model runs the model's own forward."""
     model = GemmThen(forward).eval()
     example = torch.randn(*([2] * (traced_rank - 1)), IN)
     optimized = fxfuse.optimize(model, (example,))
     assert fused_op_count(optimized) == 1
+    other = torch.randn(other_shape)
     with torch.no_grad():
         assert_close_report(optimized(example), model(example))
-        with pytest.raises(RuntimeError, match=f"optimized for a {traced_rank}-D input"):
-            optimized(torch.randn(*([2] * traced_rank), IN))
+        assert_close_report(optimized(other), model(other))
 
 
-def test_a_weight_given_to_forward_must_stay_a_matrix():
-    """`x @ w` with w a forward argument: a 3-D w makes eager's matmul batched; the fused op takes one matrix."""
+@pytest.mark.parametrize("forward, x, error", [
+    (lambda m, x, y: torch.relu(m.fc(x)).amax(1, keepdim=True), torch.randn(IN), IndexError),
+    (lambda m, x, y: torch.min(m.fc(x), dim=1)[0], torch.randn(IN), IndexError),
+    (lambda m, x, y: F.group_norm(m.fc(x), 4), torch.randn(IN), RuntimeError),
+    (lambda m, x, y: F.group_norm(m.fc(x), 4), torch.randn(2, 3, IN), RuntimeError),
+    (lambda m, x, y: m.norm(m.fc(x)), torch.randn(2, 0, IN), RuntimeError),
+], ids=["amax-of-1-D", "min-of-1-D", "group_norm-of-1-D", "group_norm-of-3-channels", "GroupNorm-of-0-channels"])
+@pytest.mark.parametrize("example_inputs", [True, False], ids=["example-inputs", "no-example-inputs"])
+def test_an_input_of_another_rank_raises_eagers_own_error(forward, x, error, example_inputs):
+    """It raised fxfuse's RuntimeError ("optimized for a 2-D input"), where eager raises IndexError, or its own
+    message."""
+    model = GemmThen(forward, norm=nn.GroupNorm(4, OUT)).eval()
+    optimized = fxfuse.optimize(model, (rows(),) if example_inputs else None)
+    assert fused_op_count(optimized) == 1
+    with pytest.raises(error) as eagers:
+        model(x)
+    with pytest.raises(error, match=re.escape(str(eagers.value))):
+        optimized(x)
+
+
+class CountsItsCalls(nn.Module):
+    """A forward that changes its buffer in place before the fused chain: a step of the graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(IN, OUT)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return F.group_norm(self.fc(x), 4)
+
+
+def test_a_call_that_runs_the_models_forward_runs_nothing_of_the_graph_first():
+    model, x = CountsItsCalls().eval(), torch.randn(2, 8, IN)
+    optimized = fxfuse.optimize(model, (rows(),))
+    assert fused_op_count(optimized) == 1
+    with torch.no_grad():
+        assert_close_report(optimized(x), model(x))
+    assert model.calls.item() == 2
+
+
+def test_a_weight_given_to_forward_of_another_rank_computes_eagers_result():
+    """`x @ w` with w a forward argument: a 3-D w makes eager's matmul batched; the fused op takes one matrix, and
+    raised fxfuse's error. The optimized model runs the model's own forward for it."""
     model = GemmThen(lambda m, x, y: torch.relu(x @ y)).eval()
     optimized = fxfuse.optimize(model, (rows(), torch.randn(IN, OUT)))
     assert fused_op_count(optimized) == 1
-    with pytest.raises(RuntimeError, match="optimized for a 2-D weight"):
-        optimized(torch.randn(2, BATCH, IN), torch.randn(2, IN, OUT))
+    x, w = torch.randn(2, BATCH, IN), torch.randn(2, IN, OUT)
+    with torch.no_grad():
+        assert_close_report(optimized(x, w), model(x, w))
 
 
 class RebindsOtherNames(nn.Module):
