@@ -265,20 +265,38 @@ def require_argument_rank(value, rank: int, what: str) -> None:
         raise NotOptimizedForThisCall(_rank_message(value, rank, what))
 
 
-def require_dtype(x: torch.Tensor, dtypes: tuple, ops: str) -> None:
-    """Called by optimize()'s rewritten graphs before a fused op whose program holds an idiom that is its op only in
-    some dtypes (x * relu6(x + 3) / 6 overflows in fp16 where hardswish does not): the dtype the epilogue computes
-    in now, x's or autocast's, must be one of them. (Dynamo guards dtypes and autocast itself.)"""
+def _dtype_problem(x: torch.Tensor, dtypes: tuple, ops: str) -> str | None:
+    """Why a program whose idioms are their ops in `dtypes` only does not hold for the dtype the epilogue computes in
+    now, x's or autocast's; None where it holds."""
     device = x.device.type
     autocast_known = torch.amp.is_autocast_available(device) if hasattr(torch.amp, "is_autocast_available") else \
         device in ("cpu", "cuda")
     dtype = torch.get_autocast_dtype(device) if autocast_known and torch.is_autocast_enabled(device) else x.dtype
     name = str(dtype).removeprefix("torch.")
-    if name not in dtypes:
-        raise RuntimeError(f"fxfuse: this part of the model was optimized for {' or '.join(dtypes)} values, in which "
-                           f"its spelled-out {ops} is that op; in {name} it is not (eager's formula overflows): run "
-                           "fxfuse.optimize() with example inputs in this dtype, or use "
-                           "torch.compile(model, backend='fxfuse')")
+    if name in dtypes:
+        return None
+    return (f"fxfuse: this part of the model was optimized for {' or '.join(dtypes)} values, in which its spelled-out "
+            f"{ops} is that op; in {name} it is not (eager's formula overflows): run fxfuse.optimize() with example "
+            "inputs in this dtype, or use torch.compile(model, backend='fxfuse')")
+
+
+def require_dtype(x: torch.Tensor, dtypes: tuple, ops: str) -> None:
+    """Called by optimize()'s rewritten graphs before a fused op whose program holds an idiom that is its op only in
+    some dtypes (x * relu6(x + 3) / 6 overflows in fp16 where hardswish does not): the dtype the epilogue computes
+    in now, x's or autocast's, must be one of them. (Dynamo guards dtypes and autocast itself.) For an x that is a
+    forward argument, require_argument_dtype."""
+    problem = _dtype_problem(x, dtypes, ops)
+    if problem is not None:
+        raise RuntimeError(problem)
+
+
+def require_argument_dtype(value, dtypes: tuple, ops: str) -> None:
+    """require_dtype for a forward argument, called before the graph runs any op: in another dtype (or under another
+    autocast) the optimized model runs its model's forward instead (NotOptimizedForThisCall). Anything but a tensor
+    is left to require_tensor, which raises eager's error."""
+    problem = _dtype_problem(value, dtypes, ops) if isinstance(value, torch.Tensor) else None
+    if problem is not None:
+        raise NotOptimizedForThisCall(problem)
 
 
 def require_no_function_transform(x: torch.Tensor) -> None:
@@ -320,7 +338,7 @@ def _maybe_number(node, shapes_guarded: bool) -> bool:
 
 
 # The checks optimize()'s graphs run before any op: where one fails, the optimized model runs its model's forward.
-FIRST_CHECKS = (require_traced_as_tensor, require_argument_rank)
+FIRST_CHECKS = (require_traced_as_tensor, require_argument_rank, require_argument_dtype)
 # What a rewritten graph calls beside its fused ops.
 GRAPH_HELPERS = (require_tensor, require_param, require_eval_mode, require_settings, require_matrix, require_rank,
                  require_dtype, *FIRST_CHECKS, require_no_function_transform, number_as_tensor, augmented_assignment)
@@ -403,7 +421,11 @@ def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool,
             graph.call_function(require_no_function_transform, (region.x,))
         if region.dtypes is not None and not shapes_guarded:
             names = tuple(str(dtype).removeprefix("torch.") for dtype in region.dtypes)
-            graph.call_function(require_dtype, (region.x, names, " and ".join(region.dtype_ops)))
+            dtype_args = (region.x, names, " and ".join(region.dtype_ops))
+            if _is_argument(region.x):  # (no op changes a tensor's dtype in place, nor autocast's within a forward)
+                _check_first(graph, position, require_argument_dtype, dtype_args)
+            else:
+                graph.call_function(require_dtype, dtype_args)
         weight = _tensor_node(graph, region.weight)
         if region.transpose_weight:
             weight = graph.call_function(torch.t, (weight,))
