@@ -7,6 +7,7 @@ get ``gemm_epilogue_train`` (whose backward reuses the GEMM output it keeps), ot
 from __future__ import annotations
 
 import importlib
+import itertools
 import logging
 import math
 import numbers
@@ -352,6 +353,20 @@ def _is_argument(value) -> bool:
     return isinstance(value, fx.Node) and value.op == "placeholder"
 
 
+def _argument_ranks_that_give_x_its_rank(graph: fx.Graph, x, x_rank: int) -> list[tuple[fx.Node, int]]:
+    """(forward argument, rank) pairs that, checked at a call, make x of `x_rank` as when traced: x's own where it is
+    an argument; where x was made inside the graph and the example inputs gave it a rank, every tensor argument's
+    example rank (the ranks of what a graph makes follow from its inputs' ranks, but for ops such as squeeze(),
+    which require_rank still catches); else none."""
+    if _is_argument(x):
+        return [(x, x_rank)]
+    arguments = list(itertools.takewhile(lambda node: node.op == "placeholder", graph.nodes))  # (the graph's first)
+    if not isinstance(x, fx.Node) or not isinstance(x.meta.get("val"), torch.Tensor) or \
+            any("val" not in node.meta for node in arguments):
+        return []
+    return [(node, node.meta["val"].dim()) for node in arguments if isinstance(node.meta["val"], torch.Tensor)]
+
+
 def _check_first(graph: fx.Graph, position: dict, check, args: tuple) -> None:
     """A call of `check` before the graph's first op (once), where a failed check can still hand the call to the
     model's own forward: nothing has run yet."""
@@ -411,8 +426,8 @@ def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool,
         # A forward argument of another rank at a call runs the model's own forward, checked before any op; the check
         # here stays (an op between may change the argument's rank in place, `x.unsqueeze_(0)`).
         if region.x_rank is not None and not shapes_guarded:
-            if _is_argument(region.x):
-                _check_first(graph, position, require_argument_rank, (region.x, region.x_rank, "input"))
+            for argument, rank in _argument_ranks_that_give_x_its_rank(graph, region.x, region.x_rank):
+                _check_first(graph, position, require_argument_rank, (argument, rank, "input"))
             graph.call_function(require_rank, (region.x, region.x_rank, "input"))
         if _is_argument(region.weight) and not shapes_guarded:
             _check_first(graph, position, require_argument_rank, (region.weight, 2, "weight"))

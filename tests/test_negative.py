@@ -675,6 +675,51 @@ def test_the_backend_takes_no_two_inputs_for_other_memory():
     torch._dynamo.reset()
 
 
+class TwoBlocks(nn.Module):
+    """The second region's x is made inside the graph, by the first."""
+
+    def __init__(self, epilogue):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(IN, OUT), nn.Linear(OUT, OUT)
+        self.epilogue = epilogue
+
+    def forward(self, x):
+        return self.epilogue(self.fc2(torch.relu(self.fc1(x))))
+
+
+@pytest.mark.parametrize("epilogue", [lambda h: F.group_norm(h, 4), lambda h: h.amax(1)], ids=["group_norm", "amax"])
+def test_a_value_of_another_rank_made_inside_the_graph_computes_eagers_result(epilogue):
+    """The rank of the second region's x follows from the input's: with example inputs, an input of another rank runs
+    the model's own forward (it raised fxfuse's error where eager computes, or raises its own)."""
+    model = TwoBlocks(epilogue).eval()
+    optimized = fxfuse.optimize(model, (rows(),))
+    assert fused_op_count(optimized) == 2
+    with torch.no_grad():
+        for x in (rows(), torch.randn(2, 8, IN), torch.randn(2, 4, 5, IN)):
+            assert_close_report(optimized(x), model(x))
+        with pytest.raises(type(_raised_by(model, torch.randn(IN)))) as raised:
+            optimized(torch.randn(IN))
+        assert str(raised.value) == str(_raised_by(model, torch.randn(IN)))
+
+
+def _raised_by(function, *args) -> Exception:
+    try:
+        function(*args)
+    except Exception as error:
+        return error
+    raise AssertionError("it did not raise")
+
+
+def test_a_value_whose_rank_does_not_follow_from_the_inputs_is_still_checked():
+    """x.squeeze() of a (1, 3, IN) example is 2-D, of a (2, 4, IN) input 3-D: of the inputs' ranks alone, where the
+    check before the fused op raises rather than normalize the wrong dim."""
+    model = GemmThen(lambda m, x, y: F.group_norm(m.fc(x.squeeze()), 4)).eval()
+    optimized = fxfuse.optimize(model, (torch.randn(1, 3, IN),))
+    assert fused_op_count(optimized) == 1
+    with torch.no_grad(), pytest.raises(RuntimeError, match="optimized for a 2-D input"):
+        optimized(torch.randn(2, 4, IN))
+
+
 class CountsItsCalls(nn.Module):
     def __init__(self):
         super().__init__()
@@ -2074,6 +2119,51 @@ def test_an_input_of_another_rank_raises_eagers_own_error(forward, x, error, exa
         model(x)
     with pytest.raises(error, match=re.escape(str(eagers.value))):
         optimized(x)
+
+
+class TwoBlocks(nn.Module):
+    """The second region's x is made inside the graph, by the first."""
+
+    def __init__(self, epilogue):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(IN, OUT), nn.Linear(OUT, OUT)
+        self.epilogue = epilogue
+
+    def forward(self, x):
+        return self.epilogue(self.fc2(torch.relu(self.fc1(x))))
+
+
+@pytest.mark.parametrize("epilogue", [lambda h: F.group_norm(h, 4), lambda h: h.amax(1)], ids=["group_norm", "amax"])
+def test_a_value_of_another_rank_made_inside_the_graph_computes_eagers_result(epilogue):
+    """The rank of the second region's x follows from the input's: with example inputs, an input of another rank runs
+    the model's own forward (it raised fxfuse's error where eager computes, or raises its own)."""
+    model = TwoBlocks(epilogue).eval()
+    optimized = fxfuse.optimize(model, (rows(),))
+    assert fused_op_count(optimized) == 2
+    with torch.no_grad():
+        for x in (rows(), torch.randn(2, 8, IN), torch.randn(2, 4, 5, IN)):
+            assert_close_report(optimized(x), model(x))
+        with pytest.raises(type(_raised_by(model, torch.randn(IN)))) as raised:
+            optimized(torch.randn(IN))
+        assert str(raised.value) == str(_raised_by(model, torch.randn(IN)))
+
+
+def _raised_by(function, *args) -> Exception:
+    try:
+        function(*args)
+    except Exception as error:
+        return error
+    raise AssertionError("it did not raise")
+
+
+def test_a_value_whose_rank_does_not_follow_from_the_inputs_is_still_checked():
+    """x.squeeze() of a (1, 3, IN) example is 2-D, of a (2, 4, IN) input 3-D: of the inputs' ranks alone, where the
+    check before the fused op raises rather than normalize the wrong dim."""
+    model = GemmThen(lambda m, x, y: F.group_norm(m.fc(x.squeeze()), 4)).eval()
+    optimized = fxfuse.optimize(model, (torch.randn(1, 3, IN),))
+    assert fused_op_count(optimized) == 1
+    with torch.no_grad(), pytest.raises(RuntimeError, match="optimized for a 2-D input"):
+        optimized(torch.randn(2, 4, IN))
 
 
 class CountsItsCalls(nn.Module):
