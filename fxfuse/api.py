@@ -102,7 +102,8 @@ class FusedGraphModule(fx.GraphModule):
     def recompile(self):
         python_code = super().recompile()
         if any(node.op == "call_function" and node.target in FIRST_CHECKS for node in self.graph.nodes):
-            type(self).forward = _model_forward_where_refused(type(self).forward)  # (each instance has a class of its own)
+            # (each instance has a class of its own, whose forward recompile() just set)
+            type(self).forward = _model_forward_where_refused(type(self).forward)
         return python_code
 
     def _run_model_forward(self, *args, **kwargs):
@@ -141,7 +142,7 @@ class FusedGraphModule(fx.GraphModule):
 
 def _model_forward_where_refused(forward):
     """A graph's `forward` that runs the model's own forward instead for a call its first checks refuse (an input of
-    another rank, None for an argument traced as a tensor): they ran before any op, so nothing ran twice."""
+    another rank or dtype, None for an argument traced as a tensor): they ran before any op, so nothing ran twice."""
     @functools.wraps(forward)
     def forward_or_the_models(self, *args, **kwargs):
         try:
@@ -415,7 +416,8 @@ def _ops_run(graph: fx.Graph, as_none=()) -> list:
             return None if node.target in as_none else ("input", node.target)
         return place.get(node, node.name)
 
-    return [(node.op, node.target, fx.node.map_arg(node.args, read), fx.node.map_arg(node.kwargs, read)) for node in ops]
+    return [(node.op, node.target, fx.node.map_arg(node.args, read), fx.node.map_arg(node.kwargs, read))
+            for node in ops]
 
 
 def _keep_argument_names(graph: fx.Graph, concrete: dict) -> None:

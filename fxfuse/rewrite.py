@@ -228,8 +228,8 @@ def require_matrix(x: torch.Tensor, op: str = "mm") -> None:
 
 class NotOptimizedForThisCall(RuntimeError):
     """Raised by the checks an optimize()'d graph runs before any op of its own, for a call its fused ops were not made
-    for (an input of another rank, None for an argument traced as a tensor): the optimized model then runs its
-    model's own forward for that call (api.FusedGraphModule), which computes, or raises, what eager does."""
+    for (an input of another rank or dtype, None for an argument traced as a tensor): the optimized model then runs
+    its model's own forward for that call (api.FusedGraphModule), which computes, or raises, what eager does."""
 
 
 def _rank_message(tensor: torch.Tensor, rank: int, what: str) -> str:
