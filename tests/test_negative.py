@@ -720,6 +720,15 @@ def test_a_value_whose_rank_does_not_follow_from_the_inputs_is_still_checked():
         optimized(torch.randn(2, 4, IN))
 
 
+def test_a_compiled_optimized_model_runs_the_models_forward_where_refused():
+    """torch.compile of an optimized model traces the refusal and the model's own forward too."""
+    model, x, mask = OptionalMask().eval(), rows(), torch.rand(OUT)
+    compiled = torch.compile(fxfuse.optimize(model, (x, torch.ones(OUT))), backend="eager")
+    with torch.no_grad():
+        for args in ((x, mask), (x,), (torch.randn(2, 5, IN),)):
+            assert_close_report(compiled(*args), model(*args))
+
+
 class CountsItsCalls(nn.Module):
     def __init__(self):
         super().__init__()
@@ -2164,6 +2173,15 @@ def test_a_value_whose_rank_does_not_follow_from_the_inputs_is_still_checked():
     assert fused_op_count(optimized) == 1
     with torch.no_grad(), pytest.raises(RuntimeError, match="optimized for a 2-D input"):
         optimized(torch.randn(2, 4, IN))
+
+
+def test_a_compiled_optimized_model_runs_the_models_forward_where_refused():
+    """torch.compile of an optimized model traces the refusal and the model's own forward too."""
+    model, x, mask = OptionalMask().eval(), rows(), torch.rand(OUT)
+    compiled = torch.compile(fxfuse.optimize(model, (x, torch.ones(OUT))), backend="eager")
+    with torch.no_grad():
+        for args in ((x, mask), (x,), (torch.randn(2, 5, IN),)):
+            assert_close_report(compiled(*args), model(*args))
 
 
 class CountsItsCalls(nn.Module):
