@@ -57,6 +57,30 @@ class Canonical:
     dtypes: tuple | None = None               # an idiom's: the dtypes its spelling is the op in (None: all)
 
 
+@dataclass(frozen=True)
+class SizeExpression:
+    """A number computed in the graph from sizes of one tensor, `source` (`h.size(-1) ** -0.5`, `math.sqrt(h.shape[-1])`,
+    `1.0 / h.shape[1]`): an operand whose value the matcher knows where the dims read are the features of a region
+    value (the GEMM's weight fixes them), and computes as eager does (`value`)."""
+    source: fx.Node
+    dims: tuple       # the dims read, as written (-1, 1)
+    reads: tuple      # the nodes whose value is a size (`t.size(-1)`, `t.shape[-1]`)
+    steps: tuple      # the arithmetic on them, in graph order; the last one is the operand
+    covers: tuple     # every node of the expression: the op that reads it stands for them
+
+    def value(self, size: int):
+        """The expression's number where every dim read has `size` elements."""
+        values = {read: size for read in self.reads}
+        for step in self.steps:
+            args = fx.node.map_arg(step.args, values.__getitem__)
+            kwargs = fx.node.map_arg(step.kwargs, values.__getitem__)
+            values[step] = step.target(*args, **kwargs)
+        return values[self.steps[-1]] if self.steps else size
+
+    def __str__(self):
+        return (self.steps or self.reads)[-1].name
+
+
 class NotFusible(Exception):
     """Raised by a spelling handler: the op is recognised but this use of it cannot be fused."""
 
@@ -412,6 +436,86 @@ def _last_dim_of(node: fx.Node) -> tuple[list[fx.Node], int | None] | None:
             found, rank = last_at(key)
         return ([node, node.args[0]], rank) if found else None
     return None
+
+
+# Functions of numbers that a size may go through before an op reads it (`h.size(-1) ** -0.5`, `1.0 / h.shape[1]`).
+_SIZE_ARITHMETIC = (operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.mod,
+                    operator.pow, operator.neg, operator.pos)
+
+
+def _size_read(node: fx.Node) -> tuple[fx.Node, int, tuple] | None:
+    """If `node` is one dim's size of a tensor as an int (`t.size(d)`, `t.size(dim=d)`, `t.shape[d]`, `t.size()[d]`):
+    (the tensor, d, the nodes of that read)."""
+    if node.op == "call_method" and node.target == "size" and set(node.kwargs) <= {"dim"}:
+        dims = (*node.args[1:], *node.kwargs.values())
+        if len(dims) == 1 and isinstance(dims[0], int) and not isinstance(dims[0], bool):
+            return node.args[0], dims[0], (node,)
+        return None
+    if node.op != "call_function" or node.target is not operator.getitem:
+        return None
+    shape, dim = node.args
+    whole_shape = isinstance(shape, fx.Node) and (
+        shape.op == "call_function" and shape.target is builtins.getattr and shape.args[1] == "shape"
+        or shape.op == "call_method" and shape.target == "size" and len(shape.args) == 1 and not shape.kwargs)
+    if whole_shape and isinstance(dim, int) and not isinstance(dim, bool):
+        return shape.args[0], dim, (node, shape)
+    return None
+
+
+def _size_expression(node) -> SizeExpression | None:
+    """`node` as a SizeExpression, if it computes a number from sizes of one tensor only."""
+    sources, dims, reads, steps, covers = set(), [], [], [], []
+
+    def visit(item) -> bool:
+        if not isinstance(item, fx.Node):
+            return isinstance(item, numbers.Number)
+        if item in reads or item in steps:
+            return True
+        read = _size_read(item)
+        if read is not None:
+            sources.add(read[0])
+            dims.append(read[1])
+            reads.append(item)
+            covers.extend(read[2])
+            return True
+        arithmetic = item.op == "call_function" and (
+            item.target in _SIZE_ARITHMETIC or getattr(item.target, "__module__", None) == "math")
+        if arithmetic and all(visit(a) for a in (*item.args, *item.kwargs.values())):
+            steps.append(item)
+            covers.append(item)
+            return True
+        return False
+
+    if not isinstance(node, fx.Node) or not visit(node) or len(sources) != 1:
+        return None
+    position = {n: i for i, n in enumerate(node.graph.nodes)} if len(steps) > 1 else {}
+    return SizeExpression(sources.pop(), tuple(sorted(set(dims))), tuple(reads),
+                          tuple(sorted(steps, key=position.get) if position else steps), tuple(covers))
+
+
+# The ops that take a number where a size expression stands (eager's torch.maximum takes tensors only).
+_TAKES_SIZE_EXPRESSIONS = ("add", "sub", "mul", "div")
+
+
+def _with_size_expressions(node: fx.Node, c: Canonical) -> Canonical:
+    """`c` with each operand that computes a number from a tensor's sizes as a SizeExpression, which it then stands
+    for; a problem where another node reads part of the expression too (only one op can stand for it)."""
+    if c.op not in _TAKES_SIZE_EXPRESSIONS:
+        return c
+    operands, covers = [], list(c.covers)
+    for operand in c.operands:
+        expression = _size_expression(operand)
+        if expression is None:
+            operands.append(operand)
+            continue
+        inside = set(expression.covers) | {node}
+        shared = next(((n, user) for n in expression.covers for user in n.users if user not in inside), None)
+        if shared is not None:
+            return dataclasses.replace(c, problem=f"`{shared[0].name}`, a size, is also read by `{shared[1].name}`: "
+                                                  "only one op can stand for it")
+        operands.append(expression)
+        covers.extend(expression.covers)
+    return dataclasses.replace(c, operands=tuple(operands), covers=tuple(covers))
 
 
 def _normalized_size(normalized_shape) -> dict:
@@ -1044,7 +1148,8 @@ def _spelled_op(node: fx.Node, gm: fx.GraphModule) -> Canonical | None:
     first = arguments.get("input")
     try:
         c = handler(arguments, inplace)
-        return dataclasses.replace(c, operands=tuple(_plain_scalar(o) for o in c.operands))
+        c = dataclasses.replace(c, operands=tuple(_plain_scalar(o) for o in c.operands))
+        return _with_size_expressions(node, c)
     except NotFusible as reason:
         return Canonical("?", (first,) if isinstance(first, fx.Node) else (), {}, problem=str(reason))
     except (TypeError, ValueError) as error:  # a scalar argument is a traced value (Dynamo's dynamic floats)

@@ -23,8 +23,8 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .canonicalize import (COVERED, IDENTITY, LINEAR, Attr, Canonical, augmented_assignment, has_call_hooks,
-                           signatures_of, surely_not_tensor)
+from .canonicalize import (COVERED, IDENTITY, LINEAR, Attr, Canonical, SizeExpression, augmented_assignment,
+                           has_call_hooks, signatures_of, surely_not_tensor)
 from .library import FUSED_OPS
 from .epilogue import EPILOGUE_OPS, NORM, POINTWISE, REDUCTION
 from .program import Instruction, Param, Program, Value
@@ -56,6 +56,9 @@ class Region:
     # of optimize()'s graph), and those idioms' ops. None: any.
     dtypes: tuple | None = None
     dtype_ops: tuple = ()
+    # The program holds numbers computed from the GEMM's feature count (`h * h.size(-1) ** -0.5`): the rewritten graph
+    # checks at every call that the weight still has that many.
+    reads_features: bool = False
 
 
 class Boundary(str):
@@ -225,6 +228,7 @@ class _Growth:
         # (x's rank that an admitted op's meaning depends on, the member count before that op)
         self.x_rank: tuple[int, int] | None = None
         self.dtypes: list[tuple[tuple, int, str]] = []  # (an admitted idiom's dtypes, the members before it, its op)
+        self.feature_reads: list[int] = []  # the member count before each op that reads a number of the features
         self.instructions: list[Instruction] = []
         self.params: list[Any] = []
         self.misses: list[NearMiss] = []
@@ -377,6 +381,11 @@ class _Growth:
         for operand in map(self.facts.resolve, c.operands):
             if isinstance(operand, fx.Node) and operand in self.value:
                 operands.append(Value(self.value[operand]))
+            elif isinstance(operand, SizeExpression):
+                number, problem = self.size_expression_value(node, operand)
+                if problem:
+                    return problem
+                operands.append(number)
             elif isinstance(operand, (fx.Node, Attr)):
                 problem = self.outside_operand_problem(operand, self.dtype, in_place=mutated is not None)
                 if problem:
@@ -419,6 +428,8 @@ class _Growth:
             rank -= 1
         if c.dtypes is not None:
             self.dtypes.append((c.dtypes, len(self.members), c.op))
+        if any(isinstance(o, SizeExpression) for o in c.operands):
+            self.feature_reads.append(len(self.members))
         self.add_member(node, c)
         # A pointwise op is one number per row only if all its region operands are: `h * h.sum(-1, keepdim=True)`
         # broadcasts the reduced value back onto full rows.
@@ -465,6 +476,41 @@ class _Growth:
             self.emit(node, op, operands, args[count:], rank, reduced=True, one_feature=True)
             result = Value(len(self.instructions))
         self.value[node] = result.index
+
+    def size_expression_value(self, node: fx.Node, expression: SizeExpression) -> tuple[Any, str | None]:
+        """The number a size expression computes, where every dim it reads is the features of a region value, which
+        the GEMM's weight fixes (a batch dim is the caller's, and may change at a later call); or why not."""
+        source = self.facts.resolve(expression.source)
+        index = self.value.get(source)
+        if index is None:
+            return None, f"{describe(expression)} is computed from a size of {describe(source)}, no value of the region"
+        if index in self.reduced or (self.features == 1 and index != 0):  # (1 feature: broadcasting may widen it)
+            return None, (f"{describe(expression)} reads a size of {describe(source)}, whose last dim need not be the "
+                          "GEMM's features")
+        if module_tensor_path(self.weight) is None and not self.facts.inputs_guarded:
+            return None, (f"{describe(expression)} reads the feature count, which the weight {describe(self.weight)}, "
+                          "no module tensor, may change at a later call")
+        rank = self.rank.get(index)
+        for dim in expression.dims:
+            if dim == -1:
+                continue
+            batch = f"{describe(expression)} reads dim {dim} of {describe(source)}"
+            if dim < -1 or (rank is not None and dim != rank - 1):
+                return None, (f"{batch}, a batch dim{f' of a {rank}-D value' if rank is not None else ''}, not the "
+                              "features: its size is the caller's, and may change at a later call")
+            if dim == 0:  # the features of a 1-D value only
+                return None, (f"{batch}, the features of a 1-D value only, else a batch dim, whose size may change at "
+                              "a later call (pass example inputs)")
+            problem = self.need_x_rank(node, dim + 1, rank, index)
+            if problem:
+                return None, problem
+        try:
+            number = expression.value(self.features)
+        except (ArithmeticError, ValueError) as error:
+            return None, f"{describe(expression)} raises for {self.features} features ({error})"
+        if isinstance(number, bool) or not isinstance(number, (int, float)):
+            return None, f"{describe(expression)} is {type(number).__name__}, not a number"
+        return number, None
 
     def in_place_problem(self, node: fx.Node, mutated: fx.Node, operands) -> str | None:
         """An in-place op keeps the mutated value's shape and dtype, where the fused op's result would broadcast
@@ -540,6 +586,11 @@ class _Growth:
             needed = c.attrs[spec.feature_dim_attr] + 1
         else:
             return None
+        return self.need_x_rank(node, needed, rank, index)
+
+    def need_x_rank(self, node, needed: int, rank: int | None, index: int) -> str | None:
+        """Record that `node` holds for `needed`-D inputs only (its value, `index`, of rank `rank` where known, has x's
+        rank), or say why that can't be told."""
         x_rank = self.rank.get(0)
         if (rank is not None and x_rank is not None and rank != x_rank) or \
                 (x_rank is None and self.min_rank.get(index, 2) > 2):
@@ -613,6 +664,7 @@ class _Growth:
         if self.x_rank is not None and self.x_rank[1] >= n_members:
             self.x_rank = None
         self.dtypes = [entry for entry in self.dtypes if entry[1] < n_members]
+        self.feature_reads = [at for at in self.feature_reads if at < n_members]
 
     # -- validity of the current prefix
 
@@ -677,10 +729,13 @@ def find_region(gm: fx.GraphModule, anchor: fx.Node, canon, facts: Facts):
     heap += [(facts.position[u], u) for m in growth.members for u in m.users if u not in growth.member_set]
     heapq.heapify(heap)
     while heap:
-        _, node = heapq.heappop(heap)
+        position, node = heapq.heappop(heap)
         covering = canon.get(node)
         if covering is not None and covering.op == COVERED:  # e.g. torch.min(...) is fused through its [0]
             node = covering.operands[0]
+            if facts.position[node] > position:  # in graph order: after the other operands it reads (`d * relu(h)`)
+                heapq.heappush(heap, (facts.position[node], node))
+                continue
         if node in growth.member_set or node in rejected:
             continue
         snapshot = growth.snapshot()
@@ -755,7 +810,8 @@ def _region_of(growth: _Growth, snapshot: tuple, output: fx.Node) -> Region:
                   check_matrix=growth.canon[growth.anchor].attrs.get("matrix_input", False),
                   x_rank=growth.x_rank[0] if growth.x_rank is not None and growth.x_rank[1] < n_members else None,
                   dtypes=_common_dtypes([dtypes for dtypes, at, _ in growth.dtypes if at < n_members]),
-                  dtype_ops=tuple(sorted({op for _, at, op in growth.dtypes if at < n_members})))
+                  dtype_ops=tuple(sorted({op for _, at, op in growth.dtypes if at < n_members})),
+                  reads_features=any(at < n_members for at in growth.feature_reads))
 
 
 def _common_dtypes(each: list[tuple]) -> tuple | None:

@@ -266,6 +266,16 @@ def require_argument_rank(value, rank: int, what: str) -> None:
         raise NotOptimizedForThisCall(_rank_message(value, rank, what))
 
 
+def require_features(x, weight: torch.Tensor, features: int, dim: int, what: str) -> None:
+    """Called by optimize()'s rewritten graphs before a fused op whose program holds numbers computed from the GEMM's
+    feature count (`h * h.size(-1) ** -0.5`): the weight, dim `dim` of which is the features, still has that many.
+    (Dynamo guards the weight's shape itself.) `x`: as require_eval_mode's."""
+    if weight.shape[dim] != features:
+        raise RuntimeError(f"fxfuse: the weight {what} had {features} features when it was fused, and its fused op "
+                           f"holds numbers computed from them (`h.size(-1)`); it now has {weight.shape[dim]}: run "
+                           "fxfuse.optimize() on the model again")
+
+
 def _dtype_problem(x: torch.Tensor, dtypes: tuple, ops: str) -> str | None:
     """Why a program whose idioms are their ops in `dtypes` only does not hold for the dtype the epilogue computes in
     now, x's or autocast's; None where it holds."""
@@ -342,7 +352,8 @@ def _maybe_number(node, shapes_guarded: bool) -> bool:
 FIRST_CHECKS = (require_traced_as_tensor, require_argument_rank, require_argument_dtype)
 # What a rewritten graph calls beside its fused ops.
 GRAPH_HELPERS = (require_tensor, require_param, require_eval_mode, require_settings, require_matrix, require_rank,
-                 require_dtype, *FIRST_CHECKS, require_no_function_transform, number_as_tensor, augmented_assignment)
+                 require_features, require_dtype, *FIRST_CHECKS, require_no_function_transform, number_as_tensor,
+                 augmented_assignment)
 
 
 def _copy_meta(node: fx.Node, source: fx.Node, keys) -> None:
@@ -442,6 +453,10 @@ def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool,
             else:
                 graph.call_function(require_dtype, dtype_args)
         weight = _tensor_node(graph, region.weight)
+        if region.reads_features and not shapes_guarded:
+            path, dim = module_tensor_path(region.weight), 1 if region.transpose_weight else 0
+            features = module_tensor(gm, path).shape[dim]
+            graph.call_function(require_features, (region.x, weight, features, dim, f"`{path}`"))
         if region.transpose_weight:
             weight = graph.call_function(torch.t, (weight,))
         params = [graph.call_function(number_as_tensor, (p,)) if _maybe_number(p, shapes_guarded)

@@ -2951,3 +2951,50 @@ def test_an_input_that_is_no_tensor_raises_eagers_own_error(spelling, bad, examp
     with pytest.raises(type(eager.value)) as fused:
         optimized(bad)
     assert str(fused.value).splitlines()[0] == str(eager.value).splitlines()[0]
+
+
+# ---------------------------------------------------------------- numbers read from sizes
+
+def test_number_read_from_the_batch_dim_is_not_fused_and_explain_says_why():
+    """`h.shape[0]` is the caller's batch size, which another call may change: no number in a program can say it."""
+    model = GemmThen(lambda m, x, y: (lambda h: h / h.shape[0])(m.fc(x)))
+    assert_not_fused(model, (rows(),), reason="`getitem` reads dim 0 of `fc`, a batch dim of a 2-D value")
+    optimized = assert_fuses(model, (rows(),), regions=0, example_inputs=False)
+    assert_reason(optimized, "`getitem` reads dim 0 of `fc`, the features of a 1-D value only, else a batch dim")
+
+
+def test_number_read_from_a_dim_that_is_the_features_at_another_rank_is_not_fused():
+    model = GemmThen(lambda m, x, y: (lambda h: h * (1.0 / h.shape[1]))(m.fc(x)))
+    assert_not_fused(model, (torch.randn(2, BATCH, IN),), reason="reads dim 1 of `fc`, a batch dim of a 3-D value")
+
+
+def test_number_read_from_dim_1_fuses_for_2d_inputs_only():
+    """Without example inputs `h.shape[1]` is taken as the features of a 2-D input; a 3-D one then raises."""
+    model = GemmThen(lambda m, x, y: (lambda h: h * (1.0 / h.shape[1]))(m.fc(x)))
+    optimized = assert_fuses(model, (rows(),), example_inputs=False)
+    with pytest.raises(RuntimeError, match="optimized for a 2-D input"):
+        optimized(torch.randn(2, BATCH, IN))
+
+
+def test_number_read_from_a_reduced_value_is_not_fused_past_the_reduction():
+    model = GemmThen(lambda m, x, y: (lambda s: s / s.shape[-1])(m.fc(x).sum(-1, keepdim=True)))
+    optimized = assert_fuses(model, (rows(),))
+    assert fused_programs(optimized) == ["sum(%0,-1,True)"]
+    assert_reason(optimized, "`getitem` reads a size of `sum_1`, whose last dim need not be the GEMM's features")
+
+
+def test_size_read_by_two_ops_is_not_fused():
+    def epilogue(m, x, y):
+        h = m.fc(x)
+        features = h.shape[-1]
+        return h * features + features
+    assert_not_fused(GemmThen(epilogue), (rows(),),
+                     reason="`getitem`, a size, is also read by `add`: only one op can stand for it")
+
+
+def test_number_read_from_the_features_of_a_weight_given_as_an_argument_is_not_fused():
+    def epilogue(m, x, y):
+        h = F.linear(x, y)
+        return h * h.size(-1) ** -0.5
+    assert_not_fused(GemmThen(epilogue), (rows(), torch.randn(OUT, IN)),
+                     reason="`pow_1` reads the feature count, which the weight `y`, no module tensor, may change")

@@ -5,6 +5,8 @@ tensor method, in-place, operator, keyword or positional arguments, alias, or a 
 checks that the whole model became a single fused op (nothing of the chain is left) whose program holds
 the canonical op the spelling stands for, and that the result matches eager in float32 (1e-5).
 """
+import math
+
 import pytest
 import torch
 import torch.nn as nn
@@ -483,3 +485,35 @@ def test_reduction_spelling_fuses(canonical, epilogue, extras):
     optimized = assert_whole_chain_fused(model, (torch.randn(BATCH, IN),))
     (program,) = fused_programs(optimized)
     assert canonical in program, f"expected {canonical} in {program}"
+
+
+# Numbers read from the features of a value of the chain: fixed by the GEMM's weight, so the program holds them.
+FEATURE_NUMBERS = [
+    case("h*h.size(-1)**-0.5", f"mul(%0,{OUT ** -0.5!r})", linear_then(lambda h: h * h.size(-1) ** -0.5)),
+    case("h/math.sqrt(h.shape[-1])", f"div(%0,{math.sqrt(OUT)!r})", linear_then(lambda h: h / math.sqrt(h.shape[-1]))),
+    case("h.sum(-1,keepdim)/h.shape[-1]", f"sum(%0,-1,True);div(%1,{OUT})",
+         linear_then(lambda h: h.sum(-1, keepdim=True) / h.shape[-1])),
+    case("h*(1.0/h.shape[1])", f"mul(%0,{1.0 / OUT!r})", linear_then(lambda h: h * (1.0 / h.shape[1]))),
+    case("h.size(dim=-1)*relu(h)", f"mul({OUT},%1)", linear_then(lambda h: h.size(dim=-1) * torch.relu(h))),
+    case("gelu(h)/h.size()[-1]", f"div(%1,{OUT})", linear_then(lambda h: (lambda g: g / g.size()[-1])(F.gelu(h)))),
+]
+
+
+@pytest.mark.parametrize("with_examples", [True, False], ids=["example-inputs", "no-example-inputs"])
+@pytest.mark.parametrize("canonical, epilogue, extras", FEATURE_NUMBERS)
+def test_number_read_from_the_features_fuses(canonical, epilogue, extras, with_examples):
+    model = GemmThen(epilogue, **extras).eval()
+    optimized = assert_whole_chain_fused(model, (torch.randn(BATCH, IN),),
+                                         example_inputs=None if with_examples else False)
+    (program,) = fused_programs(optimized)
+    assert canonical in program.replace(" ", ""), f"expected {canonical} in {program}"
+
+
+def test_number_read_from_the_features_raises_once_the_weight_has_other_features():
+    """The program holds 1 / sqrt(40): a weight of another width must not compute with it."""
+    model = GemmThen(linear_then(lambda h: h * h.size(-1) ** -0.5)).eval()
+    optimized = assert_whole_chain_fused(model, (torch.randn(BATCH, IN),), example_inputs=False)
+    model.fc.weight = nn.Parameter(torch.randn(OUT + 8, IN))
+    model.fc.bias = nn.Parameter(torch.randn(OUT + 8))
+    with pytest.raises(RuntimeError, match="had 40 features when it was fused"):
+        optimized(torch.randn(BATCH, IN))
