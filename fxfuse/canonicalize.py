@@ -32,6 +32,8 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .epilogue import EPILOGUE_OPS, POINTWISE
+
 LINEAR = "linear"      # the GEMM anchor: operands (x, weight, bias); attr transpose_weight
 IDENTITY = "identity"  # a no-op in the region (eval-mode dropout, nn.Identity, contiguous, clone)
 COVERED = "covered"    # a node that another canonical op stands for (its only operand): matched through it
@@ -1136,9 +1138,11 @@ def _spelled_op(node: fx.Node, gm: fx.GraphModule) -> Canonical | None:
     inplace = target in (_INPLACE_METHODS if node.op == "call_method" else _INPLACE_FUNCTIONS)
     if node.op == "call_method" or (node.op == "call_function" and isinstance(target, types.BuiltinFunctionType)):
         kwargs = _from_numpy_keywords(kwargs, sig)
+    # `out=` of a torch function: eager's signatures take it, the spelling's do not (_into_out)
+    out = kwargs.pop("out", None) if node.op == "call_function" and "out" not in sig.parameters else None
     try:
         if node.op != "call_module":
-            _check_eager_takes(target, node.op == "call_method", args, kwargs)
+            _check_eager_takes(target, node.op == "call_method", args, kwargs if out is None else {**kwargs, "out": out})
         bound = sig.bind(*args, **kwargs)
     except TypeError as error:
         return Canonical("?", (), {}, problem=f"unexpected arguments: {error}")
@@ -1149,12 +1153,29 @@ def _spelled_op(node: fx.Node, gm: fx.GraphModule) -> Canonical | None:
     try:
         c = handler(arguments, inplace)
         c = dataclasses.replace(c, operands=tuple(_plain_scalar(o) for o in c.operands))
-        return _with_size_expressions(node, c)
+        return _with_size_expressions(node, c if out is None else _into_out(node, c, out))
     except NotFusible as reason:
         return Canonical("?", (first,) if isinstance(first, fx.Node) else (), {}, problem=str(reason))
     except (TypeError, ValueError) as error:  # a scalar argument is a traced value (Dynamo's dynamic floats)
         return Canonical("?", (first,) if isinstance(first, fx.Node) else (), {},
                          problem=f"an argument is computed in the graph, not a constant ({error})")
+
+
+def _into_out(node: fx.Node, c: Canonical, out) -> Canonical:
+    """`torch.add(h, b, out=h)`: a pointwise op that writes into its first operand is its in-place form: it returns that
+    tensor, changed, and raises as the in-place op does where the result would not fit it; but eager raises for it
+    where autograd would record it too (`writes_out`: the rewritten graph checks). Into another tensor it is not
+    fusible: the fused op makes a tensor of its own."""
+    if not isinstance(out, fx.Node):
+        raise NotFusible(f"out={out!r} is not a tensor of the graph")
+    if c.problem is not None:
+        return c
+    spec = EPILOGUE_OPS.get(c.op)
+    if spec is None or spec.kind != POINTWISE:
+        raise NotFusible(f"{c.op} writes into `{out.name}` (out=), not into a tensor of its own")
+    if not c.operands or c.operands[0] is not out:
+        raise NotFusible(f"{c.op} writes into `{out.name}` (out=), which is not its first operand")
+    return dataclasses.replace(c, inplace_of=out, attrs={**c.attrs, "writes_out": True})
 
 
 def _check_eager_takes(target, is_method: bool, args: tuple, kwargs: dict) -> None:

@@ -34,7 +34,7 @@ logger = logging.getLogger("fxfuse")
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Canonical attributes that steer matching but are not part of the op's program signature.
 MATCHING_ATTRS = ("transpose_weight", "addmm_bias", "rank_needed", "dtype_needed", "normalized_size",
-                  "matrix_input")
+                  "matrix_input", "writes_out")
 
 
 @dataclass
@@ -59,6 +59,9 @@ class Region:
     # The program holds numbers computed from the GEMM's feature count (`h * h.size(-1) ** -0.5`): the rewritten graph
     # checks at every call that the weight still has that many.
     reads_features: bool = False
+    # An op of the program that eager calls with `out=` (`torch.add(h, b, out=h)`), and how many params the region has
+    # read up to the last such: eager raises for it where autograd would record it, which the rewritten graph checks.
+    out_write: tuple[str, int] | None = None
 
 
 class Boundary(str):
@@ -229,6 +232,7 @@ class _Growth:
         self.x_rank: tuple[int, int] | None = None
         self.dtypes: list[tuple[tuple, int, str]] = []  # (an admitted idiom's dtypes, the members before it, its op)
         self.feature_reads: list[int] = []  # the member count before each op that reads a number of the features
+        self.out_writes: list[tuple[int, str, int]] = []  # (the member count before an out= op, its op, params so far)
         self.instructions: list[Instruction] = []
         self.params: list[Any] = []
         self.misses: list[NearMiss] = []
@@ -430,6 +434,8 @@ class _Growth:
             self.dtypes.append((c.dtypes, len(self.members), c.op))
         if any(isinstance(o, SizeExpression) for o in c.operands):
             self.feature_reads.append(len(self.members))
+        if c.attrs.get("writes_out"):
+            self.out_writes.append((len(self.members), c.op, len(self.params)))
         self.add_member(node, c)
         # A pointwise op is one number per row only if all its region operands are: `h * h.sum(-1, keepdim=True)`
         # broadcasts the reduced value back onto full rows.
@@ -665,6 +671,7 @@ class _Growth:
             self.x_rank = None
         self.dtypes = [entry for entry in self.dtypes if entry[1] < n_members]
         self.feature_reads = [at for at in self.feature_reads if at < n_members]
+        self.out_writes = [entry for entry in self.out_writes if entry[0] < n_members]
 
     # -- validity of the current prefix
 
@@ -811,7 +818,8 @@ def _region_of(growth: _Growth, snapshot: tuple, output: fx.Node) -> Region:
                   x_rank=growth.x_rank[0] if growth.x_rank is not None and growth.x_rank[1] < n_members else None,
                   dtypes=_common_dtypes([dtypes for dtypes, at, _ in growth.dtypes if at < n_members]),
                   dtype_ops=tuple(sorted({op for _, at, op in growth.dtypes if at < n_members})),
-                  reads_features=any(at < n_members for at in growth.feature_reads))
+                  reads_features=any(at < n_members for at in growth.feature_reads),
+                  out_write=next(((op, n) for at, op, n in reversed(growth.out_writes) if at < n_members), None))
 
 
 def _common_dtypes(each: list[tuple]) -> tuple | None:

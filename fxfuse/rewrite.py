@@ -321,6 +321,16 @@ def require_no_function_transform(x: torch.Tensor) -> None:
                            "transform to the model as it was before fxfuse.optimize()")
 
 
+def require_out_without_grad(x: torch.Tensor, op: str, tensors: list) -> None:
+    """Called by optimize()'s rewritten graphs before a fused op that holds an op eager calls with `out=`
+    (`torch.add(h, b, out=h)`): eager raises for it where autograd would record it, that is where grad mode is on and
+    x or any of `tensors` (the weight, bias and params read up to it) requires grad. (Dynamo guards grad mode and
+    requires_grad itself.)"""
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (x, *tensors)):
+        raise RuntimeError(f"{op}(): functions with out=... arguments don't support automatic differentiation, but "
+                           "one of the arguments requires grad.")
+
+
 def number_as_tensor(value):
     """Called by rewritten graphs for a forward argument that the matcher took for a tensor (optimize()'s: a number
     may be passed where the example input was a tensor) or that it could not tell without example inputs: a number
@@ -352,8 +362,8 @@ def _maybe_number(node, shapes_guarded: bool) -> bool:
 FIRST_CHECKS = (require_traced_as_tensor, require_argument_rank, require_argument_dtype)
 # What a rewritten graph calls beside its fused ops.
 GRAPH_HELPERS = (require_tensor, require_param, require_eval_mode, require_settings, require_matrix, require_rank,
-                 require_features, require_dtype, *FIRST_CHECKS, require_no_function_transform, number_as_tensor,
-                 augmented_assignment)
+                 require_features, require_out_without_grad, require_dtype, *FIRST_CHECKS,
+                 require_no_function_transform, number_as_tensor, augmented_assignment)
 
 
 def _copy_meta(node: fx.Node, source: fx.Node, keys) -> None:
@@ -461,7 +471,11 @@ def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool,
             weight = graph.call_function(torch.t, (weight,))
         params = [graph.call_function(number_as_tensor, (p,)) if _maybe_number(p, shapes_guarded)
                   else _tensor_node(graph, p) for p in region.params]
-        args = (region.x, weight, _tensor_node(graph, region.bias), params, str(region.program))
+        bias = _tensor_node(graph, region.bias)
+        if region.out_write is not None and not shapes_guarded:
+            op, read = region.out_write
+            graph.call_function(require_out_without_grad, (region.x, op, [weight, bias, *params[:read]]))
+        args = (region.x, weight, bias, params, str(region.program))
         if training:
             pair = graph.call_function(gemm_epilogue_train, args)
             fused = graph.call_function(operator.getitem, (pair, 0))

@@ -2998,3 +2998,31 @@ def test_number_read_from_the_features_of_a_weight_given_as_an_argument_is_not_f
         return h * h.size(-1) ** -0.5
     assert_not_fused(GemmThen(epilogue), (rows(), torch.randn(OUT, IN)),
                      reason="`pow_1` reads the feature count, which the weight `y`, no module tensor, may change")
+
+
+# ---------------------------------------------------------------- out=
+
+def test_op_written_into_another_tensor_is_not_fused():
+    def epilogue(m, x, y):
+        torch.add(m.fc(x), 1.0, out=m.buf)
+        return m.buf * 2
+    assert_not_fused(GemmThen(epilogue, buf=torch.zeros(BATCH, OUT)), (rows(),),
+                     reason="add writes into `buf` (out=), which is not its first operand")
+
+
+def test_op_written_into_its_second_operand_is_not_fused():
+    """`torch.sub(b, h, out=h)` is b - h: no in-place instruction of h says that."""
+    def epilogue(m, x, y):
+        h = m.fc(x)
+        torch.sub(m.b, h, out=h)
+        return h
+    assert_not_fused(GemmThen(epilogue, b=nn.Parameter(torch.randn(OUT))), (rows(),),
+                     reason="sub writes into `fc` (out=), which is not its first operand")
+
+
+def test_reduction_written_with_out_is_not_fused():
+    def epilogue(m, x, y):
+        torch.sum(m.fc(x), 1, out=m.buf)
+        return m.buf
+    assert_not_fused(GemmThen(epilogue, buf=torch.zeros(BATCH)), (rows(),),
+                     reason="sum writes into `buf` (out=), not into a tensor of its own")

@@ -517,3 +517,45 @@ def test_number_read_from_the_features_raises_once_the_weight_has_other_features
     model.fc.bias = nn.Parameter(torch.randn(OUT + 8))
     with pytest.raises(RuntimeError, match="had 40 features when it was fused"):
         optimized(torch.randn(BATCH, IN))
+
+
+def written_into_itself(op, *args):
+    """`op(h, *args, out=h)` after the GEMM, then h read again: the op's in-place form."""
+    def epilogue(m, x, y):
+        h = m.fc(x)
+        op(h, *[m.b if a == "b" else a for a in args], out=h)
+        return h
+    return epilogue
+
+
+OUT_INTO_ITSELF = [
+    case("torch.add(h,b,out=h)", "add_(%0,$0)", written_into_itself(torch.add, "b"), b=vector()),
+    case("torch.mul(h,2.0,out=h)", "mul_(%0,2.0)", written_into_itself(torch.mul, 2.0)),
+    case("torch.exp(h,out=h)", "exp_(%0)", written_into_itself(torch.exp)),
+    case("torch.clamp(h,-0.5,0.5,out=h)", "clamp_(%0,-0.5,0.5)", written_into_itself(torch.clamp, -0.5, 0.5)),
+    case("torch.sigmoid(h,out=h)*2", "sigmoid_(%0);mul(%1,2)",
+         lambda m, x, y: (lambda h: torch.sigmoid(h, out=h) * 2)(m.fc(x))),
+]
+
+
+@pytest.mark.parametrize("with_examples", [True, False], ids=["example-inputs", "no-example-inputs"])
+@pytest.mark.parametrize("canonical, epilogue, extras", OUT_INTO_ITSELF)
+def test_op_written_into_its_own_input_fuses_as_its_in_place_form(canonical, epilogue, extras, with_examples):
+    model = GemmThen(epilogue, **extras).eval()
+    optimized = assert_whole_chain_fused(model, (torch.randn(BATCH, IN),),
+                                         example_inputs=None if with_examples else False)
+    (program,) = fused_programs(optimized)
+    assert canonical in program.replace(" ", ""), f"expected {canonical} in {program}"
+
+
+def test_op_written_into_its_own_input_raises_as_eager_does_where_autograd_would_record_it():
+    model = GemmThen(written_into_itself(torch.add, "b"), b=vector()).eval()
+    optimized = assert_whole_chain_fused(model, (torch.randn(BATCH, IN),))
+    message = "functions with out=... arguments don't support automatic differentiation"
+    with pytest.raises(RuntimeError, match=message):
+        model(torch.randn(BATCH, IN))
+    with pytest.raises(RuntimeError, match=message):
+        optimized(torch.randn(BATCH, IN))
+    model.requires_grad_(False)  # nothing then requires grad: eager and the fused op compute
+    x = torch.randn(BATCH, IN)
+    torch.testing.assert_close(optimized(x), model(x))
