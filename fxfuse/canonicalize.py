@@ -382,13 +382,17 @@ def _binary(op: str, fns, methods, inplace_ops, signature="(input, other, *, alp
         alpha = a.get("alpha", 1)
         if isinstance(alpha, bool):
             raise NotFusible(f"{op} with a boolean alpha (eager raises for a float result)")
-        if alpha != 1:  # eager rounds `other` to the tensor's dtype, then scales it: no one number says that
-            raise NotFusible(f"{op} with alpha={alpha}")
+        scaled = a["input"] if swap else a["other"]  # eager's `input + alpha * other`, torch.rsub's `other - alpha * input`
+        if alpha != 1 and not isinstance(scaled, fx.Node):
+            # eager rounds the number to the tensor's dtype, then scales it: no one number says that
+            raise NotFusible(f"{op} with alpha={alpha} and the number {scaled!r}")
         if a.get("rounding_mode") is not None:
             raise NotFusible(f"div with rounding_mode={a['rounding_mode']!r}")
         if not any(isinstance(o, fx.Node) for o in (left, right)):
             raise NotFusible(f"{op} of two constants")
-        return Canonical(op, (left, right), {}, inplace_of=a["input"] if inplace else None)
+        # the matcher scales a tensor's second operand (`scale_operand`): a mul of it by alpha before the op
+        attrs = {"scale_operand": _number(alpha, f"{op}'s alpha")} if alpha != 1 else {}
+        return Canonical(op, (left, right), attrs, inplace_of=a["input"] if inplace else None)
     return handler
 
 

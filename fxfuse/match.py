@@ -34,7 +34,7 @@ logger = logging.getLogger("fxfuse")
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Canonical attributes that steer matching but are not part of the op's program signature.
 MATCHING_ATTRS = ("transpose_weight", "addmm_bias", "rank_needed", "dtype_needed", "normalized_size",
-                  "matrix_input", "writes_out")
+                  "matrix_input", "writes_out", "scale_operand")
 
 
 @dataclass
@@ -444,6 +444,16 @@ class _Growth:
         # An in-place op keeps the changed value's dtype (program.py), where autocast may promote its out-of-place
         # form: a 16-bit value plus a float32 param, or on CUDA `h.exp_()`, whose `exp` runs in float32
         in_place = mutated is not None and operands[0] == Value(self.value.get(mutated, -1))
+        if "scale_operand" in c.attrs:  # `h.add_(g, alpha=2)`: g * 2 first, as eager scales it
+            scaled, alpha = operands[1], c.attrs["scale_operand"]
+            if isinstance(scaled, Param):
+                return (f"{describe(node)} scales {describe(self.params[scaled.index])}, a tensor from outside the "
+                        f"region, by alpha={alpha}: the fused op's {c.op} takes no alpha")
+            if not isinstance(scaled, Value):  # eager rounds a number to the value's dtype, then scales it
+                return f"{describe(node)} scales the number {scaled!r} by alpha={alpha}"
+            self.emit(node, "mul", (scaled, alpha), (), self.rank[scaled.index],
+                      reduced=scaled.index in self.reduced, dropped=scaled.index in self.dropped)
+            operands = [operands[0], Value(len(self.instructions))]
         self.emit(node, c.op, operands, attrs, rank, reduced=reduces or all(v.index in self.reduced for v in values),
                   dropped=dropped, drops_dim=drops_dim, in_place=in_place,
                   one_feature=c.attrs["keepdim"] if reduces else self.keeps_one_feature(spec, operands))

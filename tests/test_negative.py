@@ -389,7 +389,8 @@ def test_in_place_op_on_the_region_value_is_fused():
 
 
 NEAR_SPELLINGS = {
-    "add-alpha-with-tensor": (lambda m, x, y: torch.add(m.fc(x), y, alpha=2), "add with alpha=2"),
+    "add-alpha-with-tensor": (lambda m, x, y: torch.add(m.fc(x), y, alpha=2),
+                              "`add` scales `y`, a tensor from outside the region, by alpha=2"),
     # eager rounds 1e6 to fp16 (inf) before scaling it by alpha: `add(%0,1.0)` was fused
     "add-alpha-with-number": (lambda m, x, y: torch.add(m.fc(x), 1e6, alpha=1e-6), "add with alpha=1e-06"),
     "sub-alpha-with-number": (lambda m, x, y: torch.sub(m.fc(x), 3, alpha=0.1), "sub with alpha=0.1"),
@@ -3026,3 +3027,19 @@ def test_reduction_written_with_out_is_not_fused():
         return m.buf
     assert_not_fused(GemmThen(epilogue, buf=torch.zeros(BATCH)), (rows(),),
                      reason="sum writes into `buf` (out=), not into a tensor of its own")
+
+
+# ---------------------------------------------------------------- alpha
+
+def test_alpha_scaling_a_tensor_from_outside_the_region_is_not_fused():
+    """`h.add_(b, alpha=2)` of a bias: the program would have to scale a param, which its add can't."""
+    model = GemmThen(lambda m, x, y: m.fc(x).add_(m.b, alpha=2), b=nn.Parameter(torch.randn(OUT)))
+    assert_not_fused(model, (rows(),), reason="`add_` scales `b`, a tensor from outside the region, by alpha=2.0")
+
+
+def test_alpha_scaling_a_number_is_not_fused():
+    """Eager rounds 0.1 to the value's dtype, then scales it: no number in the program says that in every dtype."""
+    assert_not_fused(GemmThen(lambda m, x, y: m.fc(x).add_(0.1, alpha=2)), (rows(),),
+                     reason="add with alpha=2 and the number 0.1")
+    assert_not_fused(GemmThen(lambda m, x, y: (lambda h: h.add(h.size(-1), alpha=2))(m.fc(x))), (rows(),),
+                     reason="`add` scales the number 40 by alpha=2.0")

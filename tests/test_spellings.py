@@ -559,3 +559,28 @@ def test_op_written_into_its_own_input_raises_as_eager_does_where_autograd_would
     model.requires_grad_(False)  # nothing then requires grad: eager and the fused op compute
     x = torch.randn(BATCH, IN)
     torch.testing.assert_close(optimized(x), model(x))
+
+
+ALPHA_OF_A_VALUE = [
+    case("h.add_(relu(h),alpha=0.5)", "relu(%0);mul(%1,0.5);add_(%0,%2)",
+         linear_then(lambda h: h.add_(torch.relu(h), alpha=0.5))),
+    case("torch.add(h,sigmoid(h),alpha=-2)", "sigmoid(%0);mul(%1,-2.0);add(%0,%2)",
+         linear_then(lambda h: torch.add(h, torch.sigmoid(h), alpha=-2))),
+    case("torch.sub(sigmoid(h),h,alpha=3)", "sigmoid(%0);mul(%0,3.0);sub(%1,%2)",
+         linear_then(lambda h: torch.sub(torch.sigmoid(h), h, alpha=3))),
+    case("torch.rsub(sigmoid(h),h,alpha=3)", "sigmoid(%0);mul(%1,3.0);sub(%0,%2)",
+         linear_then(lambda h: torch.rsub(torch.sigmoid(h), h, alpha=3))),
+    case("h.sub_(h.sum(-1,keepdim),alpha=0.25)", "sum(%0,-1,True);mul(%1,0.25);sub_(%0,%2)",
+         linear_then(lambda h: h.sub_(h.sum(-1, keepdim=True), alpha=0.25))),
+]
+
+
+@pytest.mark.parametrize("with_examples", [True, False], ids=["example-inputs", "no-example-inputs"])
+@pytest.mark.parametrize("canonical, epilogue, extras", ALPHA_OF_A_VALUE)
+def test_alpha_scaling_a_value_of_the_chain_fuses_as_a_mul_first(canonical, epilogue, extras, with_examples):
+    """Eager's `input + alpha * other`: the program scales `other` first (within rounding of eager's fused multiply-add)."""
+    model = GemmThen(epilogue, **extras).eval()
+    optimized = assert_whole_chain_fused(model, (torch.randn(BATCH, IN),),
+                                         example_inputs=None if with_examples else False)
+    (program,) = fused_programs(optimized)
+    assert canonical in program.replace(" ", ""), f"expected {canonical} in {program}"
