@@ -809,7 +809,7 @@ def _dropout_identity(a, training, name):
         raise NotFusible(f"{name}'s p={p!r} is not a probability (eager raises)")
     if training and p > 0:
         raise NotFusible(f"{name}(p={p}) in training mode is random")
-    return Canonical(IDENTITY, (a["input"],))
+    return Canonical(IDENTITY, (a["input"],), {} if training else {"same_tensor": True})  # (eager returns its input)
 
 
 @spelling("(input, p=0.5, training=True, inplace=False)", functions=(F.dropout,))
@@ -1117,12 +1117,15 @@ def _spelled_op(node: fx.Node, gm: fx.GraphModule) -> Canonical | None:
         if fn == "instance_norm_module":
             return _instance_norm_module(node, module)
         if fn == "identity":
-            return Canonical(IDENTITY, (args[0],))
+            return Canonical(IDENTITY, (args[0],), {"same_tensor": True})
         args, kwargs, target, table = args[:1] + tuple(extra), {**kwargs, **extra_kwargs}, fn, _FUNCTIONS
     elif node.op == "call_function":
         values = _values_of(node)
         if values is not None:
             return values
+        whole = _whole_view(node)
+        if whole is not None:
+            return whole
         target, table = node.target, _FUNCTIONS
         if target is augmented_assignment:  # the operator it applies, to its operands; nothing for `n *= 2`
             if surely_not_tensor(args[1]):
@@ -1182,6 +1185,20 @@ def _into_out(node: fx.Node, c: Canonical, out) -> Canonical:
     return dataclasses.replace(c, inplace_of=out, attrs={**c.attrs, "writes_out": True})
 
 
+def _whole_view(node: fx.Node) -> Canonical | None:
+    """`t[:, :]`, `t[:]`, `t[...]`: a view of all of `t`, whose shape and elements are `t`'s (`same_tensor`); eager
+    raises where `t` has fewer dims than the index's slices (`rank_at_least`)."""
+    if node.target is not operator.getitem or not isinstance(node.args[0], fx.Node):
+        return None
+    key = node.args[1]
+    items = key if isinstance(key, tuple) else (key,)
+    whole = all(item is Ellipsis or (isinstance(item, slice) and item == slice(None)) for item in items)
+    if not whole or sum(item is Ellipsis for item in items) > 1:
+        return None
+    return Canonical(IDENTITY, (node.args[0],), {"same_tensor": True,
+                                                 "rank_at_least": sum(item is not Ellipsis for item in items)})
+
+
 def _check_eager_takes(target, is_method: bool, args: tuple, kwargs: dict) -> None:
     """Raises TypeError where eager's own signatures of the call take none of these arguments: a spelling's
     signature serves a function and its method alike, but `h.exp(True)`, `torch.relu(h, True)` or `h.add(b, 1)` are
@@ -1202,24 +1219,32 @@ def _check_eager_takes(target, is_method: bool, args: tuple, kwargs: dict) -> No
 
 
 def _redirect_inplace_uses(graph: fx.Graph, canon: dict[fx.Node, Canonical]) -> None:
-    """After `t.relu_()`, later readers of `t` read the in-place node instead: same tensor, explicit edge. In graph
-    order, so that each in-place op on a tensor takes its readers over from the one before it (`t.mul_(2)` then
-    `t.relu_()`: what reads `t` after both reads the relu_)."""
+    """After `t.relu_()`, later readers of `t` read the in-place node instead: same tensor, explicit edge; so do later
+    readers of its other names, earlier in-place ops on it and whole views of it (`same_tensor`: `t[:, :]`, eval-mode
+    dropout, nn.Identity), whose shape and elements are `t`'s. In graph order, so that each in-place op on a tensor
+    takes its readers over from the one before it (`t.mul_(2)` then `t.relu_()`: what reads `t` after both reads the
+    relu_)."""
     position = {node: i for i, node in enumerate(graph.nodes)}
-    first_name: dict[fx.Node, fx.Node] = {}  # an in-place node -> the node that first named its tensor
-    latest: dict[fx.Node, fx.Node] = {}      # that first node -> the last in-place node on it so far
+    first_name: dict[fx.Node, fx.Node] = {}  # a later name of a tensor -> the node that first named it
+    names: dict[fx.Node, list] = {}          # that first node -> its later names so far
     for node in graph.nodes:
         c = canon.get(node)
-        target = c.inplace_of if c is not None else None
-        if not isinstance(target, fx.Node):
+        if c is None:
+            continue
+        if c.op == IDENTITY and c.attrs.get("same_tensor") and isinstance(c.operands[0], fx.Node):
+            target = c.operands[0]
+        elif isinstance(c.inplace_of, fx.Node):
+            target = c.inplace_of
+            tensor = first_name.get(target, target)
+            for name in (tensor, *names.get(tensor, ())):
+                for user in list(name.users):
+                    if user is not node and position[user] > position[node]:
+                        user.replace_input_with(name, node)
+        else:
             continue
         tensor = first_name.get(target, target)
-        current = latest.get(tensor, tensor)
-        for user in list(current.users):
-            if user is not node and position[user] > position[node]:
-                user.replace_input_with(current, node)
-        latest[tensor] = node
         first_name[node] = tensor
+        names.setdefault(tensor, []).append(node)
 
 
 def _refuse_inplace_on_aliases(graph: fx.Graph, canon: dict[fx.Node, Canonical]) -> None:
@@ -1253,6 +1278,20 @@ def _refuse_inplace_on_aliases(graph: fx.Graph, canon: dict[fx.Node, Canonical])
                 break
 
 
+def _refuse_inplace_on_other_views(graph: fx.Graph, canon: dict[fx.Node, Canonical]) -> None:
+    """An in-place op on a view of part of a tensor, or of another shape (`h[:, :4].mul_(2)`, `h.view(-1).add_(1)`),
+    changes that tensor, which a program's values (each one tensor of its own) cannot express: the view says why."""
+    for node, c in list(canon.items()):
+        view = c.inplace_of
+        if not isinstance(view, fx.Node) or view in canon or view.op not in ("call_function", "call_method"):
+            continue
+        source = next(iter(view.all_input_nodes), None)
+        if source is not None:
+            canon[view] = Canonical("?", (source,), problem=(
+                f"in-place `{node.name}` changes `{view.name}`, a view of `{source.name}` of part of it or of "
+                "another shape, which a fused program cannot express"))
+
+
 def canonicalize(gm: fx.GraphModule) -> dict[fx.Node, Canonical]:
     """Canonical records for every node of `gm` that spells a GEMM or an epilogue op; idioms included."""
     from .idioms import apply_idioms
@@ -1265,6 +1304,7 @@ def canonicalize(gm: fx.GraphModule) -> dict[fx.Node, Canonical]:
         _redirect_inplace_uses(gm.graph, canon)
         canon = records()  # operands now name the redirected inputs
     _refuse_inplace_on_aliases(gm.graph, canon)
+    _refuse_inplace_on_other_views(gm.graph, canon)
     apply_idioms(gm, canon)
     for node, c in list(canon.items()):
         for covered in c.covers:

@@ -62,6 +62,9 @@ class Region:
     # An op of the program that eager calls with `out=` (`torch.add(h, b, out=h)`), and how many params the region has
     # read up to the last such: eager raises for it where autograd would record it, which the rewritten graph checks.
     out_write: tuple[str, int] | None = None
+    # The least rank of x a whole view in the program needs (`h[:, :]`: eager raises for fewer dims), where the
+    # value's rank is unknown: the rewritten graph checks it at every call. None: any.
+    x_rank_at_least: int | None = None
 
 
 class Boundary(str):
@@ -233,6 +236,7 @@ class _Growth:
         self.dtypes: list[tuple[tuple, int, str]] = []  # (an admitted idiom's dtypes, the members before it, its op)
         self.feature_reads: list[int] = []  # the member count before each op that reads a number of the features
         self.out_writes: list[tuple[int, str, int]] = []  # (the member count before an out= op, its op, params so far)
+        self.x_ranks_at_least: list[tuple[int, int]] = []  # (the member count before a whole view, the rank it needs)
         self.instructions: list[Instruction] = []
         self.params: list[Any] = []
         self.misses: list[NearMiss] = []
@@ -369,7 +373,8 @@ class _Growth:
             return c.problem
         if c.op == LINEAR:
             return Boundary(f"{describe(node)} is another GEMM")
-        if not node.users and c.inplace_of is None:
+        # (an unread name of a value stays a member: `v = h[:]; h.mul_(2); v.relu()`, where the mul_ took v's readers)
+        if not node.users and c.inplace_of is None and c.op != IDENTITY:
             # rewrite drops such an op only where eager cannot raise for it at a later call: one that eager raises
             # for must stay, and one taken in would give its params zero gradients where eager gives none
             if any(key in node.meta for key in ("val", "example_value", "tensor_meta")):
@@ -405,6 +410,11 @@ class _Growth:
             if problem:
                 return problem
         if c.op == IDENTITY:
+            least, rank = c.attrs.get("rank_at_least"), self.rank.get(values[0].index)
+            if least is not None and rank is not None and rank < least:
+                return f"{describe(node)} indexes {least} dims of a {rank}-D value (eager raises)"
+            if least is not None and rank is None and self.min_rank[values[0].index] < least:
+                self.x_ranks_at_least.append((len(self.members), least))  # x of that many dims gives its value them
             self.add_member(node, c)
             self.value[node] = values[0].index
             return None
@@ -682,6 +692,7 @@ class _Growth:
         self.dtypes = [entry for entry in self.dtypes if entry[1] < n_members]
         self.feature_reads = [at for at in self.feature_reads if at < n_members]
         self.out_writes = [entry for entry in self.out_writes if entry[0] < n_members]
+        self.x_ranks_at_least = [entry for entry in self.x_ranks_at_least if entry[0] < n_members]
 
     # -- validity of the current prefix
 
@@ -829,7 +840,8 @@ def _region_of(growth: _Growth, snapshot: tuple, output: fx.Node) -> Region:
                   dtypes=_common_dtypes([dtypes for dtypes, at, _ in growth.dtypes if at < n_members]),
                   dtype_ops=tuple(sorted({op for _, at, op in growth.dtypes if at < n_members})),
                   reads_features=any(at < n_members for at in growth.feature_reads),
-                  out_write=next(((op, n) for at, op, n in reversed(growth.out_writes) if at < n_members), None))
+                  out_write=next(((op, n) for at, op, n in reversed(growth.out_writes) if at < n_members), None),
+                  x_rank_at_least=max((rank for at, rank in growth.x_ranks_at_least if at < n_members), default=None))
 
 
 def _common_dtypes(each: list[tuple]) -> tuple | None:

@@ -276,6 +276,16 @@ def require_features(x, weight: torch.Tensor, features: int, dim: int, what: str
                            "fxfuse.optimize() on the model again")
 
 
+def require_rank_at_least(tensor: torch.Tensor, rank: int, what: str) -> None:
+    """Called by optimize()'s rewritten graphs before a fused op whose program holds a whole view that indexes `rank`
+    dims (`h[:, :]`), for which eager raises where its value has fewer: an x of `rank` dims or more gives it that many.
+    (Dynamo guards ranks itself.)"""
+    if tensor.dim() < rank:
+        raise RuntimeError(f"fxfuse: this part of the model was optimized for an {what} of {rank} dims or more, for "
+                           f"which its fused op computes what its ops do; got a {tensor.dim()}-D one: run "
+                           "fxfuse.optimize() with example inputs of this rank")
+
+
 def _dtype_problem(x: torch.Tensor, dtypes: tuple, ops: str) -> str | None:
     """Why a program whose idioms are their ops in `dtypes` only does not hold for the dtype the epilogue computes in
     now, x's or autocast's; None where it holds."""
@@ -362,7 +372,7 @@ def _maybe_number(node, shapes_guarded: bool) -> bool:
 FIRST_CHECKS = (require_traced_as_tensor, require_argument_rank, require_argument_dtype)
 # What a rewritten graph calls beside its fused ops.
 GRAPH_HELPERS = (require_tensor, require_param, require_eval_mode, require_settings, require_matrix, require_rank,
-                 require_features, require_out_without_grad, require_dtype, *FIRST_CHECKS,
+                 require_features, require_out_without_grad, require_rank_at_least, require_dtype, *FIRST_CHECKS,
                  require_no_function_transform, number_as_tensor, augmented_assignment)
 
 
@@ -450,6 +460,8 @@ def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool,
             for argument, rank in _argument_ranks_that_give_x_its_rank(graph, region.x, region.x_rank):
                 _check_first(graph, position, require_argument_rank, (argument, rank, "input"))
             graph.call_function(require_rank, (region.x, region.x_rank, "input"))
+        if region.x_rank_at_least is not None and (region.x_rank or 0) < region.x_rank_at_least and not shapes_guarded:
+            graph.call_function(require_rank_at_least, (region.x, region.x_rank_at_least, "input"))
         if _is_argument(region.weight) and not shapes_guarded:
             _check_first(graph, position, require_argument_rank, (region.weight, 2, "weight"))
             graph.call_function(require_rank, (region.weight, 2, "weight"))

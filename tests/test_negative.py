@@ -505,14 +505,54 @@ def alias_read_after_relu(m, x, y):
     return g + 1.0
 
 
-@pytest.mark.parametrize("epilogue", [relu_through_contiguous, relu_through_identity, add_through_eval_dropout,
-                                      alias_read_after_relu])
-def test_in_place_op_on_an_alias_made_by_an_identity_op_is_not_fused(epilogue):
-    """contiguous(), nn.Identity and eval-mode dropout return the same tensor: an in-place op on one changes the
-    other, which the program's values (one per op) cannot say."""
-    model = GemmThen(epilogue, ident=nn.Identity(), drop=nn.Dropout(0.3)).eval()
+def test_in_place_op_on_an_alias_made_by_contiguous_is_not_fused():
+    """contiguous() returns the same tensor where it is contiguous, else a copy: an in-place op on it changes the other
+    or not, which the program's values (one per op) cannot say."""
+    model = GemmThen(relu_through_contiguous).eval()
     optimized = assert_not_fused(model, (rows(),))
     assert_reason(optimized, "aliases")
+
+
+def slice_mul_then_read_both(m, x, y):
+    h = m.fc(x)
+    v = h[:, :]
+    v.mul_(2)
+    return v + h
+
+
+def ellipsis_add_then_relu(m, x, y):
+    h = m.fc(x)
+    h[...].add_(1)
+    return h.relu()
+
+
+@pytest.mark.parametrize("with_examples", [True, False], ids=["example-inputs", "no-example-inputs"])
+@pytest.mark.parametrize("epilogue", [relu_through_identity, add_through_eval_dropout, alias_read_after_relu,
+                                      slice_mul_then_read_both, ellipsis_add_then_relu])
+def test_in_place_op_on_a_whole_view_fuses(epilogue, with_examples):
+    """nn.Identity, eval-mode dropout and `h[:, :]` are `h` itself (its shape and elements): an in-place op on one
+    changes the other, whose later readers read the in-place op's value."""
+    model = GemmThen(epilogue, ident=nn.Identity(), drop=nn.Dropout(0.3)).eval()
+    assert_whole_chain_fused(model, (rows(),), example_inputs=None if with_examples else False)
+
+
+def test_in_place_op_on_a_whole_view_of_more_dims_than_the_input_has_raises_as_eager():
+    """`h[:, :]` of a 1-D GEMM output raises in eager: without example inputs, the fused op checks x's rank."""
+    model = GemmThen(slice_mul_then_read_both).eval()
+    optimized = assert_fuses(model, (rows(),), example_inputs=False)
+    with pytest.raises(IndexError):
+        model(torch.randn(IN))
+    with pytest.raises(RuntimeError, match="optimized for an input of 2 dims or more"):
+        optimized(torch.randn(IN))
+
+
+@pytest.mark.parametrize("epilogue", [lambda m, x, y: (lambda h: (h[:, :4].mul_(2), h)[1])(m.fc(x)),
+                                      lambda m, x, y: (lambda h: (h.view(-1).add_(1), h)[1])(m.fc(x)),
+                                      lambda m, x, y: (lambda h: (h.t().relu_(), h)[1])(m.fc(x))],
+                         ids=["part", "other-shape", "transposed"])
+def test_in_place_op_on_a_view_of_part_or_another_shape_is_not_fused(epilogue):
+    assert_not_fused(GemmThen(epilogue).eval(), (rows(),),
+                     reason="a view of `fc` of part of it or of another shape, which a fused program cannot express")
 
 
 def test_in_place_op_after_an_identity_op_fuses_where_nothing_else_reads_the_alias():
