@@ -469,14 +469,19 @@ def _size_read(node: fx.Node) -> tuple[fx.Node, int, tuple] | None:
 
 
 def _size_expression(node) -> SizeExpression | None:
-    """`node` as a SizeExpression, if it computes a number from sizes of one tensor only."""
+    """`node` as a SizeExpression, if it computes a number from sizes of one tensor only (in a few nodes: a chain of
+    tensor adds is no such expression, and is not walked through)."""
     sources, dims, reads, steps, covers = set(), [], [], [], []
+    budget = [_SIZE_EXPRESSION_NODES]
 
     def visit(item) -> bool:
         if not isinstance(item, fx.Node):
             return isinstance(item, numbers.Number)
         if item in reads or item in steps:
             return True
+        budget[0] -= 1
+        if budget[0] < 0:
+            return False
         read = _size_read(item)
         if read is not None:
             sources.add(read[0])
@@ -498,6 +503,8 @@ def _size_expression(node) -> SizeExpression | None:
     return SizeExpression(sources.pop(), tuple(sorted(set(dims))), tuple(reads),
                           tuple(sorted(steps, key=position.get) if position else steps), tuple(covers))
 
+
+_SIZE_EXPRESSION_NODES = 16  # the most nodes a size expression is looked for in
 
 # The ops that take a number where a size expression stands (eager's torch.maximum takes tensors only).
 _TAKES_SIZE_EXPRESSIONS = ("add", "sub", "mul", "div")

@@ -111,3 +111,31 @@ def test_blocks_with_batch_norms_match_in_about_linear_time(one_thread):
     small, large = time_of(40), time_of(160)
     print(f"\n40 blocks: {small:.2f} s, 160 blocks: {large:.2f} s ({large / small:.1f}x)")
     assert large / small < 12, f"4x the blocks took {large / small:.1f}x the time"
+
+
+class LongOperandChain(nn.Module):
+    """The GEMM output times a tensor made by 3000 adds: a chain that looks like a number's arithmetic to a walk
+    looking for sizes (`h * (n + 1)`), until its first node."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x, y):
+        for _ in range(3000):
+            y = y + 1.0
+        return self.fc(x) * y
+
+
+def test_a_long_chain_of_adds_as_an_operand_is_matched_in_time():
+    model = LongOperandChain().eval()
+    inputs = (torch.randn(4, WIDTH), torch.randn(4, WIDTH))
+    start = time.perf_counter()
+    optimized = fxfuse.optimize(model)
+    elapsed = time.perf_counter() - start
+    print(f"optimize() with a 3000-node operand chain: {elapsed:.2f} s")
+    errors = [row.reason for row in optimized.fxfuse_report.skipped if "fxfuse error" in row.reason]
+    assert not errors, errors
+    assert elapsed < BOUND_SECONDS
+    with torch.no_grad():
+        assert_close_report(optimized(*inputs), model(*inputs))
