@@ -1285,12 +1285,31 @@ def _refuse_inplace_on_aliases(graph: fx.Graph, canon: dict[fx.Node, Canonical])
                 break
 
 
+# Tensor methods and torch functions that return a view of their first argument (of part of it, or another shape).
+_VIEW_OPS = frozenset(("view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "t", "transpose",
+                       "swapaxes", "swapdims", "permute", "movedim", "moveaxis", "squeeze", "unsqueeze", "narrow",
+                       "select", "expand", "expand_as", "as_strided", "diagonal", "unfold",
+                       "__getitem__", "getitem", "T", "mT", "H", "mH", "real", "imag"))
+
+
+def _is_view(node: fx.Node) -> bool:
+    """Whether `node` may be a view of its first argument: a view op, an index (`h[:, :4]`) or a view attribute."""
+    if node.op == "call_method":
+        return node.target in _VIEW_OPS
+    if node.op != "call_function":
+        return False
+    if node.target is builtins.getattr:
+        return node.args[1] in _VIEW_OPS
+    return getattr(node.target, "__name__", None) in _VIEW_OPS and \
+        getattr(node.target, "__module__", None) in ("torch", "_operator", "operator", None)
+
+
 def _refuse_inplace_on_other_views(graph: fx.Graph, canon: dict[fx.Node, Canonical]) -> None:
     """An in-place op on a view of part of a tensor, or of another shape (`h[:, :4].mul_(2)`, `h.view(-1).add_(1)`),
     changes that tensor, which a program's values (each one tensor of its own) cannot express: the view says why."""
     for node, c in list(canon.items()):
         view = c.inplace_of
-        if not isinstance(view, fx.Node) or view in canon or view.op not in ("call_function", "call_method"):
+        if not isinstance(view, fx.Node) or view in canon or not _is_view(view):
             continue
         source = next(iter(view.all_input_nodes), None)
         if source is not None:

@@ -3083,3 +3083,13 @@ def test_alpha_scaling_a_number_is_not_fused():
                      reason="add with alpha=2 and the number 0.1")
     assert_not_fused(GemmThen(lambda m, x, y: (lambda h: h.add(h.size(-1), alpha=2))(m.fc(x))), (rows(),),
                      reason="`add` scales the number 40 by alpha=2.0")
+
+
+def test_in_place_op_on_a_new_tensor_made_from_the_value_is_no_view_of_it():
+    def epilogue(m, x, y):
+        h = m.fc(x)
+        copy = torch.zeros_like(h)
+        copy.add_(1)
+        return h + copy
+    optimized = assert_not_fused(GemmThen(epilogue).eval(), (rows(),))
+    assert not [r for r in reasons(optimized) if "a view of" in r], reasons(optimized)
