@@ -355,3 +355,38 @@ def test_an_explicit_operator_method_in_dynamos_graph_fuses(name):
         actual = torch.compile(spelling, backend=fxfuse.make_backend(inner=recorder))(fc, b, x)
     assert_close_report(actual, expected)
     assert recorder.targets() == [gemm_epilogue], recorder.graphs[-1].code
+
+
+class GemmThenSpelled(nn.Module):
+    def __init__(self, epilogue):
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+        self.epilogue = epilogue
+
+    def forward(self, x):
+        return self.epilogue(self, self.fc(x))
+
+
+def whole_view_in_place_then_size_scale(m, h):
+    h[:, :].mul_(2)
+    return h * h.size(-1) ** -0.5
+
+
+def add_written_into_itself(m, h):
+    torch.add(h, m.fc.bias, out=h)
+    return h
+
+
+@pytest.mark.parametrize("epilogue, program", [
+    (whole_view_in_place_then_size_scale, "mul_(%0,2);mul(%1,0.25)"),
+    (add_written_into_itself, "add_(%0,$0)"),
+    (lambda m, h: h.add_(h.relu(), alpha=0.5), "relu(%0);mul(%1,0.5);add_(%0,%2)"),
+], ids=["whole-view-in-place-then-size", "out=", "alpha-of-a-value"])
+def test_spellings_of_views_out_and_alpha_fuse_in_dynamos_graph(epilogue, program):
+    """Dynamo's graphs hold the feature count as a number already; views, out= and alpha are spelled as in fx's."""
+    backend = FxfuseBackend(inner="eager")
+    model = GemmThenSpelled(epilogue).eval()
+    x = torch.randn(4, 8)
+    with torch.no_grad():  # (eager raises for out= where autograd would record it)
+        assert_close_report(torch.compile(model, backend=backend)(x), model(x))
+    assert [row.program for row in backend.reports[-1].fused] == [program], backend.reports[-1]
