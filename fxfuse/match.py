@@ -273,6 +273,10 @@ class _Growth:
                 return (f"operand {describe(operand)} depends on the region's own output through "
                         f"{describe(through)}, so fusing would create a cycle")
             known = self.facts.is_tensor(operand)
+            if known is False and isinstance(operand.meta.get("example_value", operand.meta.get("val")),
+                                              (torch.SymInt, torch.SymFloat)):
+                return (f"operand {describe(operand)} is a number known at run time only (a dynamic size), which a "
+                        "program cannot hold")
             if known is False:
                 return f"operand {describe(operand)} is not a tensor"
             # Without example inputs, a graph input (with no default) or a module's result is taken as a tensor.

@@ -213,3 +213,24 @@ def test_a_changed_module_float_recompiles_under_the_eager_inner_compiler(dynami
             model[1].negative_slope = slope
             x = torch.randn(batch, 16)
             assert_close_report(compiled(x), model(x))
+
+
+def test_a_number_read_from_a_dynamic_batch_dim_is_not_fused_and_explain_says_why():
+    """Dynamo holds the feature count as a number, but a dynamic batch size as a SymInt graph input."""
+    class ScaledByBatch(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 16)
+
+        def forward(self, x):
+            h = self.fc(x)
+            return h / h.shape[0] + h * h.shape[-1] ** -0.5
+
+    backend = fxfuse.make_backend(inner="eager")
+    model = ScaledByBatch().eval()
+    x = torch.randn(4, 8)
+    torch._dynamo.mark_dynamic(x, 0)
+    with torch.no_grad():
+        assert_close_report(torch.compile(model, backend=backend)(x), model(x))
+    reasons = [row.reason for row in backend.reports[-1].near_misses]
+    assert any("is a number known at run time only (a dynamic size)" in r for r in reasons), backend.reports[-1]
