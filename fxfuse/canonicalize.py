@@ -61,9 +61,9 @@ class Canonical:
 
 @dataclass(frozen=True)
 class SizeExpression:
-    """A number computed in the graph from sizes of one tensor, `source` (`h.size(-1) ** -0.5`, `math.sqrt(h.shape[-1])`,
-    `1.0 / h.shape[1]`): an operand whose value the matcher knows where the dims read are the features of a region
-    value (the GEMM's weight fixes them), and computes as eager does (`value`)."""
+    """A number computed in the graph from sizes of one tensor, `source` (`h.size(-1) ** -0.5`,
+    `math.sqrt(h.shape[-1])`, `1.0 / h.shape[1]`): an operand whose value the matcher knows where the dims read are
+    the features of a region value (the GEMM's weight fixes them), and computes as eager does (`value`)."""
     source: fx.Node
     dims: tuple       # the dims read, as written (-1, 1)
     reads: tuple      # the nodes whose value is a size (`t.size(-1)`, `t.shape[-1]`)
@@ -382,7 +382,7 @@ def _binary(op: str, fns, methods, inplace_ops, signature="(input, other, *, alp
         alpha = a.get("alpha", 1)
         if isinstance(alpha, bool):
             raise NotFusible(f"{op} with a boolean alpha (eager raises for a float result)")
-        scaled = a["input"] if swap else a["other"]  # eager's `input + alpha * other`, torch.rsub's `other - alpha * input`
+        scaled = a["input"] if swap else a["other"]  # `input + alpha * other`; torch.rsub's `other - alpha * input`
         if alpha != 1 and not isinstance(scaled, fx.Node):
             # eager rounds the number to the tensor's dtype, then scales it: no one number says that
             raise NotFusible(f"{op} with alpha={alpha} and the number {scaled!r}")
@@ -468,6 +468,9 @@ def _size_read(node: fx.Node) -> tuple[fx.Node, int, tuple] | None:
     return None
 
 
+_SIZE_EXPRESSION_NODES = 16  # the most nodes a size expression is looked for in
+
+
 def _size_expression(node) -> SizeExpression | None:
     """`node` as a SizeExpression, if it computes a number from sizes of one tensor only (in a few nodes: a chain of
     tensor adds is no such expression, and is not walked through)."""
@@ -503,8 +506,6 @@ def _size_expression(node) -> SizeExpression | None:
     return SizeExpression(sources.pop(), tuple(sorted(set(dims))), tuple(reads),
                           tuple(sorted(steps, key=position.get) if position else steps), tuple(covers))
 
-
-_SIZE_EXPRESSION_NODES = 16  # the most nodes a size expression is looked for in
 
 # The ops that take a number where a size expression stands (eager's torch.maximum takes tensors only).
 _TAKES_SIZE_EXPRESSIONS = ("add", "sub", "mul", "div")
@@ -1156,7 +1157,8 @@ def _spelled_op(node: fx.Node, gm: fx.GraphModule) -> Canonical | None:
     out = kwargs.pop("out", None) if node.op == "call_function" and "out" not in sig.parameters else None
     try:
         if node.op != "call_module":
-            _check_eager_takes(target, node.op == "call_method", args, kwargs if out is None else {**kwargs, "out": out})
+            eager_kwargs = kwargs if out is None else {**kwargs, "out": out}
+            _check_eager_takes(target, node.op == "call_method", args, eager_kwargs)
         bound = sig.bind(*args, **kwargs)
     except TypeError as error:
         return Canonical("?", (), {}, problem=f"unexpected arguments: {error}")

@@ -578,7 +578,7 @@ ALPHA_OF_A_VALUE = [
 @pytest.mark.parametrize("with_examples", [True, False], ids=["example-inputs", "no-example-inputs"])
 @pytest.mark.parametrize("canonical, epilogue, extras", ALPHA_OF_A_VALUE)
 def test_alpha_scaling_a_value_of_the_chain_fuses_as_a_mul_first(canonical, epilogue, extras, with_examples):
-    """Eager's `input + alpha * other`: the program scales `other` first (within rounding of eager's fused multiply-add)."""
+    """Eager computes `input + alpha * other`: the program scales `other` first (within rounding of a multiply-add)."""
     model = GemmThen(epilogue, **extras).eval()
     optimized = assert_whole_chain_fused(model, (torch.randn(BATCH, IN),),
                                          example_inputs=None if with_examples else False)
