@@ -765,7 +765,7 @@ def find_region(gm: fx.GraphModule, anchor: fx.Node, canon, facts: Facts):
         covering = canon.get(node)
         if covering is not None and covering.op == COVERED:  # e.g. torch.min(...) is fused through its [0]
             node = covering.operands[0]
-            if facts.position[node] > position:  # in graph order: after the other operands it reads (`d * relu(h)`)
+            if facts.position.get(node, -1) > position:  # in graph order: after the operands it reads (`d * relu(h)`)
                 heapq.heappush(heap, (facts.position[node], node))
                 continue
         if node in growth.member_set or node in rejected:

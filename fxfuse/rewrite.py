@@ -571,7 +571,8 @@ def _drop_unused_epilogue_ops(gm: fx.GraphModule, canon: dict, shapes_guarded: b
     covered = {n for c in canon.values() for n in c.covers}  # stand-ins of another op (max's unused indices)
     for node in reversed(list(gm.graph.nodes)):
         c = canon.get(node)
-        if c is None or node.users or node in covered or c.problem or c.inplace_of is not None or c.op == LINEAR:
+        if c is None or node.users or node in covered or c.problem or c.inplace_of is not None or c.op == LINEAR \
+                or c.covers:  # (the nodes it stands for, such as a size it reads, would be left without it)
             continue
         ran = any(key in node.meta for key in ("val", "example_value", "tensor_meta")) and _dims_in_range(c)
         if not _cannot_raise(c, canon) and not (ran and (shapes_guarded or _shape_proof(c, canon, gm))):

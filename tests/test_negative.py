@@ -3093,3 +3093,16 @@ def test_in_place_op_on_a_new_tensor_made_from_the_value_is_no_view_of_it():
         return h + copy
     optimized = assert_not_fused(GemmThen(epilogue).eval(), (rows(),))
     assert not [r for r in reasons(optimized) if "a view of" in r], reasons(optimized)
+
+
+@pytest.mark.parametrize("with_examples", [True, False], ids=["example-inputs", "no-example-inputs"])
+def test_unused_op_of_a_number_read_from_the_features_is_kept_with_its_size(with_examples):
+    """The unused op stands for the size it reads: dropping it alone left the size standing for a node not there."""
+    def epilogue(m, x, y):
+        h = m.fc(x)
+        unused = h * h.size(-1) ** -0.5  # noqa: F841
+        return h.relu()
+    optimized = assert_fuses(GemmThen(epilogue).eval(), (rows(),), regions=0,
+                             example_inputs=None if with_examples else False)
+    assert not [r for r in reasons(optimized) if "fxfuse error" in r], reasons(optimized)
+    assert_reason(optimized, "the value of `mul` is never used")
