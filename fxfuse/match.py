@@ -275,8 +275,8 @@ class _Growth:
             known = self.facts.is_tensor(operand)
             if known is False and isinstance(operand.meta.get("example_value", operand.meta.get("val")),
                                               (torch.SymInt, torch.SymFloat)):
-                return (f"operand {describe(operand)} is a number known at run time only (a dynamic size), which a "
-                        "program cannot hold")
+                return (f"operand {describe(operand)} is not a tensor but a number known at run time only (a "
+                        "dynamic size, or a tensor's item), which a program cannot hold")
             if known is False:
                 return f"operand {describe(operand)} is not a tensor"
             # Without example inputs, a graph input (with no default) or a module's result is taken as a tensor.
