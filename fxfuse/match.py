@@ -381,6 +381,8 @@ class _Growth:
         if not node.users and c.inplace_of is None and c.op != IDENTITY:
             # rewrite drops such an op only where eager cannot raise for it at a later call: one that eager raises
             # for must stay, and one taken in would give its params zero gradients where eager gives none
+            if c.covers:  # (kept with the nodes it stands for)
+                return f"the value of {describe(node)} is never used"
             if any(key in node.meta for key in ("val", "example_value", "tensor_meta")):
                 return f"the value of {describe(node)} is never used, and another shape may make eager raise for it"
             return f"the value of {describe(node)} is never used (with example inputs it would be dropped)"

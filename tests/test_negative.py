@@ -3106,3 +3106,4 @@ def test_unused_op_of_a_number_read_from_the_features_is_kept_with_its_size(with
                              example_inputs=None if with_examples else False)
     assert not [r for r in reasons(optimized) if "fxfuse error" in r], reasons(optimized)
     assert_reason(optimized, "the value of `mul` is never used")
+    assert not [r for r in reasons(optimized) if "would be dropped" in r], reasons(optimized)  # (it is kept)
