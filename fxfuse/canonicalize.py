@@ -290,6 +290,14 @@ def _celu(a, inplace):
     return Canonical("elu", (a["input"],), attrs, inplace_of=_inplace(a, inplace))
 
 
+@spelling("(input, weight)", functions=(torch.prelu,), methods=("prelu",))  # F.prelu is torch.prelu
+def _prelu(a, inplace):
+    for name in ("input", "weight"):
+        if not isinstance(a[name], Attr) and surely_not_tensor(a[name]):
+            raise NotFusible(f"prelu's {name} {a[name]!r} is not a tensor (eager raises)")
+    return Canonical("prelu", (a["input"], a["weight"]), {})
+
+
 def _plain_scalar(operand):
     """A scalar operand as the Python number the program text writes (NumPy's float64 and int64 spell
     themselves `np.float64(...)`); anything else as it is."""
@@ -960,7 +968,7 @@ _KNOWN_MODULES = (nn.Linear, nn.ReLU, nn.SiLU, nn.Mish, nn.Hardswish, nn.Hardsig
                   nn.Tanh, nn.Identity, nn.Hardtanh, nn.LeakyReLU, nn.RReLU, nn.ELU, nn.CELU, nn.GELU, nn.Softplus,
                   nn.Softmax, nn.LogSoftmax, nn.Dropout, nn.AlphaDropout, nn.FeatureAlphaDropout, nn.GroupNorm,
                   nn.LayerNorm, nn.BatchNorm1d, nn.InstanceNorm1d, nn.Threshold, nn.Hardshrink, nn.Softshrink,
-                  nn.LogSigmoid, nn.Softsign, nn.Tanhshrink,
+                  nn.LogSigmoid, nn.Softsign, nn.Tanhshrink, nn.PReLU,
                   *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))
 
 
@@ -1018,6 +1026,8 @@ def _module_call(module: nn.Module, path: str):
         return {nn.Hardshrink: torch.hardshrink, nn.Softshrink: F.softshrink}[kind], (module.lambd,), {}
     if kind in (nn.LogSigmoid, nn.Softsign, nn.Tanhshrink):
         return {nn.LogSigmoid: F.logsigmoid, nn.Softsign: F.softsign, nn.Tanhshrink: F.tanhshrink}[kind], (), {}
+    if kind is nn.PReLU:
+        return F.prelu, (T("weight"),), {}
     if kind in (nn.ELU, nn.CELU):
         return {nn.ELU: F.elu, nn.CELU: F.celu}[kind], (module.alpha, module.inplace), {}
     if kind is nn.GELU:

@@ -32,7 +32,7 @@ class EpilogueOp:
     operands: tuple[str, ...]
     attrs: tuple[str, ...]
     reference: Callable[..., torch.Tensor]
-    # Operands that must be outside tensors of one value per feature (norm affines, running stats).
+    # Operands that must be outside tensors of one value per feature (norm affines, running stats, prelu's slopes).
     feature_operands: frozenset[str] = frozenset()
     # Attribute sets the generic tests try for this op.
     samples: tuple[dict[str, Any], ...] = ({},)
@@ -54,7 +54,9 @@ class EpilogueOp:
 
     @property
     def is_binary(self) -> bool:
-        return self.kind == POINTWISE and len(self.operands) == 2
+        """Two operands that broadcast against each other, either of which may be the region's value (add, maximum);
+        not prelu, whose second operand is its slopes."""
+        return self.kind == POINTWISE and len(self.operands) == 2 and not self.feature_operands
 
 
 EPILOGUE_OPS: dict[str, EpilogueOp] = {}
@@ -282,6 +284,12 @@ def hardshrink(x, *, lambd):
 @epilogue_op(POINTWISE, samples=({"lambd": 0.5}, {"lambd": 0.0}))
 def softshrink(x, *, lambd):
     return F.softshrink(x, lambd)
+
+
+@epilogue_op(POINTWISE, feature_operands=("weight",))
+def prelu(x, weight):
+    # x where x > 0, else weight * x: one slope, or one per channel (dim 1, the features of a 2-D value), as eager.
+    return torch.prelu(x, weight)
 
 
 # ---------------------------------------------------------------- normalizations over the features of a row

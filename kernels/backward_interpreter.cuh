@@ -3,8 +3,8 @@
 //
 //   For each row y = gemm_out[row]: grad_y = (d program / d y)^T grad_out[row], and each param's gradient.
 //   Reference: fxfuse/library.py::run_epilogue_backward (torch's autograd through fxfuse/program.py::run_program).
-//   The unary and binary derivatives sit beside their functors (epilogue_ops.cuh::backward, ::partials); the
-//   norms' and reductions' are below (backward_row_op), one formula per statistic.
+//   The unary and binary derivatives sit beside their functors (epilogue_ops.cuh::backward, ::partials or
+//   ::gradients); the norms' and reductions' are below (backward_row_op), one formula per statistic.
 //
 // Strategy: the forward's register layout (interpreter.cuh): TPR threads per row, 16 values a thread. A thread
 // reads its chunks of the GEMM output row and of grad_out once, and runs the program forward once, keeping each
@@ -167,12 +167,20 @@ __device__ __forceinline__ void binary_backward(const Ctx& ctx, const BackwardRo
       for (int j = 0; j < VEC; ++j) other[j] = ins.other == OTHER_SCALAR ? ins.attrs.a0 : x[c][j];
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
-      float d_current, d_other;
-      if (ins.reversed) F::partials(other[j], x[c][j], d_other, d_current);
-      else F::partials(x[c][j], other[j], d_current, d_other);
-      const float d = ins.other == OTHER_CURRENT ? d_current + d_other : d_current;
-      contrib[c][j] = SelectsGradient<F>::value && d_other == 0.0f ? 0.0f : grad[c][j] * d_other;
-      grad[c][j] = SelectsGradient<F>::value && d == 0.0f ? 0.0f : grad[c][j] * d;
+      if constexpr (GivesGradients<F>::value) {
+        float g_current, g_other;
+        if (ins.reversed) F::gradients(other[j], x[c][j], grad[c][j], g_other, g_current);
+        else F::gradients(x[c][j], other[j], grad[c][j], g_current, g_other);
+        contrib[c][j] = g_other;
+        grad[c][j] = ins.other == OTHER_CURRENT ? g_current + g_other : g_current;
+      } else {
+        float d_current, d_other;
+        if (ins.reversed) F::partials(other[j], x[c][j], d_other, d_current);
+        else F::partials(x[c][j], other[j], d_current, d_other);
+        const float d = ins.other == OTHER_CURRENT ? d_current + d_other : d_current;
+        contrib[c][j] = SelectsGradient<F>::value && d_other == 0.0f ? 0.0f : grad[c][j] * d_other;
+        grad[c][j] = SelectsGradient<F>::value && d == 0.0f ? 0.0f : grad[c][j] * d;
+      }
     }
   }
   if (ins.other == OTHER_PARAM) gather_param_grad(ctx, state, ins.param[0], step, contrib, cross_warp);

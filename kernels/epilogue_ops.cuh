@@ -93,6 +93,15 @@ struct SelectsGradient : std::false_type {};
 template <class F>
 struct SelectsGradient<F, std::void_t<decltype(F::selects_gradient)>> : std::bool_constant<F::selects_gradient> {};
 
+// Whether a binary op gives its operands' gradients from the output's (`F::gradients(a, b, grad, grad_a, grad_b)`)
+// rather than partials to scale it by, where torch's formula selects on an operand's value, so that neither a 0
+// partial nor a 0 operand is its stand-in (prelu's slope gets exactly 0 where x > 0, x * grad elsewhere). It says
+// so with `static constexpr bool gives_gradients = true`.
+template <class F, class = void>
+struct GivesGradients : std::false_type {};
+template <class F>
+struct GivesGradients<F, std::void_t<decltype(F::gives_gradients)>> : std::bool_constant<F::gives_gradients> {};
+
 // ================================================================ unary pointwise: y = F::apply(x, attrs)
 // num_attrs: how many attributes follow the operand in the program text. F::backward(x, grad, attrs) is the
 // input's gradient for the output's gradient `grad`, as torch's autograd formula for the reference computes it
@@ -454,7 +463,7 @@ struct Softshrink {
 };
 
 // ================================================================ binary pointwise: y = F::apply(a, b)
-// F::partials(a, b, da, db): dy/da and dy/db, as torch's autograd formulas.
+// F::partials(a, b, da, db): dy/da and dy/db, as torch's autograd formulas (or F::gradients: GivesGradients).
 
 // fxfuse/epilogue.py::add
 struct Add {
@@ -499,6 +508,19 @@ struct Minimum {
   __device__ static void partials(float a, float b, float& da, float& db) {
     da = a > b ? 0.0f : (a == b ? 0.5f : 1.0f);
     db = a < b ? 0.0f : (a == b ? 0.5f : 1.0f);
+  }
+};
+
+// fxfuse/epilogue.py::prelu (b: the slope; a NaN x is not > 0, so it stays NaN, as in torch's kernel)
+struct Prelu {
+  static constexpr bool takes_numbers = false;
+  static constexpr bool gives_gradients = true;
+  __device__ static float apply(float x, float w) { return x > 0.0f ? x : w * x; }
+  // torch's _prelu_kernel_backward
+  __device__ static void gradients(float x, float w, float grad, float& grad_x, float& grad_w) {
+    const bool positive = x > 0.0f;
+    grad_x = positive ? grad : w * grad;
+    grad_w = positive ? 0.0f : x * grad;
   }
 };
 
@@ -620,7 +642,8 @@ struct Logsumexp {
   X(cos, Cos) X(log_sigmoid, LogSigmoid) X(softsign, Softsign) X(tanhshrink, Tanhshrink) X(threshold, Threshold)       \
   X(hardshrink, Hardshrink) X(softshrink, Softshrink) X(detach, Detach)
 
-#define FXFUSE_BINARY_OPS(X) X(add, Add) X(sub, Sub) X(mul, Mul) X(div, Div) X(maximum, Maximum) X(minimum, Minimum)
+#define FXFUSE_BINARY_OPS(X) \
+  X(add, Add) X(sub, Sub) X(mul, Mul) X(div, Div) X(maximum, Maximum) X(minimum, Minimum) X(prelu, Prelu)
 
 #define FXFUSE_FEATURE_AFFINE_OPS(X) X(batch_norm, BatchNorm)
 

@@ -24,7 +24,8 @@
 // N <= 16384; norms and reductions over the last dim of a full row (group_norm and batch_norm of a 2-D x only);
 // group sizes off the lanes' power-of-2 grid need N <= 12288 (a row in 48 KB of shared memory); at most 16
 // instructions, 8 param uses, 2 live extra values; no NaN among a pointwise op's numbers (a clamp bound of None is
-// NaN to the functors); a broadcast tail of pointwise ops only, reading the row phase's last value, at most 3
+// NaN to the functors); prelu's slopes a param, one or one per channel (dim 1: per row of a (1, T, N) output, not of
+// a (B, T, N) one); a broadcast tail of pointwise ops only, reading the row phase's last value, at most 3
 // params, 4 merged dims, 1 to 2^31 outputs.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/cuda/CUDAGuard.h>

@@ -419,6 +419,17 @@ struct SlotAllocator {
   }
 };
 
+// prelu's slopes as eager's prelu reads them: one, or one per channel (dim 1 of the value; a 1-D value has one
+// channel) viewed as [1, C, 1, ...]; an undefined tensor where eager raises, so that the reference raises there.
+at::Tensor prelu_weight_as_read(const at::Tensor& weight, const Shape& value_shape) {
+  const size_t rank = value_shape.size();
+  const int64_t channels = rank > 1 ? value_shape[1] : 1;
+  if (weight.dim() > 1 || rank == 0 || (weight.numel() != 1 && weight.numel() != channels)) return {};
+  Shape shape(rank, 1);
+  if (rank > 1) shape[1] = weight.numel();
+  return weight.view(shape);
+}
+
 // Binds the instructions [begin, end) of one phase. `row_phase` selects the row kernel's operand views.
 std::string bind_phase(const Context& ctx, Binding& b, std::vector<Shape>& shapes, int begin, int end, bool row_phase) {
   std::vector<Instruction>& code = row_phase ? b.row_code : b.tail_code;
@@ -436,6 +447,8 @@ std::string bind_phase(const Context& ctx, Binding& b, std::vector<Shape>& shape
     if (pi.op->category == Category::Binary) {
       const bool a_value = pi.operands[0].kind == Token::Value, b_value = pi.operands[1].kind == Token::Value;
       if (!a_value && !b_value) return "no value operand" + where;
+      if (pi.op->opcode == OP_prelu && (!a_value || pi.operands[1].kind != Token::Param))
+        return "prelu's input is not a value or its slopes are not a param" + where;
       if (!a_value || (b_value && pi.operands[1].index == slots.current && pi.operands[0].index != slots.current))
         std::swap(main, other), ins.reversed = 1;
     }
@@ -459,6 +472,7 @@ std::string bind_phase(const Context& ctx, Binding& b, std::vector<Shape>& shape
         break;
       case Category::Binary: {
         Shape other_shape;
+        at::Tensor param;  // a param operand, as the op reads it
         if (other->kind == Token::Value) {
           if (!row_phase && other->index < begin) return "the tail reads a value of the row phase" + where;
           other_shape = shapes[other->index];
@@ -467,7 +481,10 @@ std::string bind_phase(const Context& ctx, Binding& b, std::vector<Shape>& shape
           ins.other = other->index == slots.current ? OTHER_CURRENT : static_cast<uint8_t>(OTHER_SLOT0 + slot);
         } else if (other->kind == Token::Param) {
           if (other->index >= static_cast<int>(ctx.params.size())) return "param out of range" + where;
-          other_shape = ctx.params[other->index].sizes().vec();
+          param = ctx.params[other->index];
+          if (pi.op->opcode == OP_prelu) param = prelu_weight_as_read(param, in_shape);
+          if (!param.defined()) return "prelu's slopes are neither one nor one per channel (eager raises)" + where;
+          other_shape = param.sizes().vec();
           ins.other = OTHER_PARAM;
         } else if (is_number(*other)) {
           if (!pi.op->takes_numbers) return "a number operand, which its op does not take" + where;
@@ -492,7 +509,7 @@ std::string bind_phase(const Context& ctx, Binding& b, std::vector<Shape>& shape
             return "a value broadcasts across rows" + where;
           if (other->kind == Token::Param) {
             RowParam view;
-            if (!row_param_view(ctx, ctx.params[other->index], out_shape, kind, view))
+            if (!row_param_view(ctx, param, out_shape, kind, view))
               return "param $" + std::to_string(other->index) + " has strides that are not (row, feature)" + where;
             const int index = add_row_param(b, view, other->index);
             if (index < 0) return "more than " + std::to_string(kMaxParams) + " param uses" + where;
@@ -501,7 +518,7 @@ std::string bind_phase(const Context& ctx, Binding& b, std::vector<Shape>& shape
         } else if (other->kind == Token::Param) {
           if (b.tail_params.size() + 1 == static_cast<size_t>(kMaxTailOperands))
             return "more than " + std::to_string(kMaxTailOperands - 1) + " params after a broadcast" + where;
-          b.tail_params.push_back(ctx.params[other->index]);
+          b.tail_params.push_back(param);
           b.tail_param_sources.push_back(other->index);
           ins.param[0] = static_cast<int8_t>(b.tail_params.size());
         }

@@ -40,6 +40,7 @@ TAILS = {
     "addmm then relu": (lambda m, x: torch.relu(torch.addmm(m.fc.bias, x, m.fc.weight.t())), True),
     "an fp32 residual": (lambda m, x: F.silu(m.fc(x)) + m.shift, False),  # promoted to fp32, never rounded
     "group_norm's fp32 affine": (lambda m, x: F.hardtanh(m.norm(m.fc(x)), -2.0, 2.0), False),
+    "prelu's fp32 slopes": (lambda m, x: F.prelu(m.fc(x), m.norm.weight * -0.25), False),  # autocast casts both
 }
 
 

@@ -146,6 +146,31 @@ def test_maximum_backward_gives_the_loser_0_for_an_infinite_or_nan_gradient(prog
     check_backward(program, gemm_out, params, bound_for(precision), caplog, grad_output=grad_output)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"], indirect=True)
+@pytest.mark.parametrize("kind", ["slopes", "one"])
+def test_prelu_backward_gives_the_slopes_0_where_x_is_positive_for_an_infinite_gradient(kind, precision, caplog):
+    """torch's prelu backward is a select: where x > 0 a slope's gradient is exactly 0, not grad * 0 (NaN for an
+    infinite or NaN grad); where x <= 0 it is x * grad, and x's gradient slope * grad."""
+    dtype = DTYPES[precision]
+    gemm_out, params = gemm_output(300, 1024, dtype), make_params(kind, 300, 1024, dtype)
+    grad_output = torch.randn(300, 1024, device="cuda").to(dtype)
+    gemm_out[::7] = gemm_out[::7].abs() + 0.5
+    grad_output[::7] = float("inf")
+    grad_output[::14] = float("nan")
+    check_backward("prelu(%0,$0)", gemm_out, params, bound_for(precision), caplog, grad_output=grad_output)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"], indirect=True)
+@pytest.mark.parametrize("lead, slopes, fallback", [((1, 200), 200, None), ((2, 100), 1, None),
+                                                    ((2, 100), 100, "not (row, feature)")])
+def test_prelu_backward_of_a_3d_output_sums_each_slope_over_its_channel(lead, slopes, fallback, precision, caplog):
+    """Slopes along dim 1: per row of a (1, T, N) output; per T rows of a (B, T, N) one is the reference's."""
+    dtype = DTYPES[precision]
+    gemm_out = torch.randn(*lead, 512, device="cuda").to(dtype)
+    params = [torch.randn(slopes, device="cuda").to(dtype)]
+    check_backward("prelu(%0,$0)", gemm_out, params, bound_for(precision), caplog, fallback=fallback)
+
+
 # ---------------------------------------------------------------- shapes and group counts
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"], indirect=True)
@@ -180,6 +205,7 @@ FAMILY_FALLBACKS = {  # program -> the reason the backward kernel declines it
     "relu(%0);tanh(%0);add(%1,%2);mul(%3,%0)": "read again later",
     "amax(%0,-1,True);sub(%0,%1);exp(%2)": "read again later",
     "mean(%0,-1,True);sub($0,%1);sigmoid(%2);mul(%3,%2)": "more than adds and subtracts",
+    "amin(%0,-1,True);add(%1,$0);prelu(%2,$1)": "more than adds and subtracts",
 }
 
 

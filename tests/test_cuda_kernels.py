@@ -148,6 +148,9 @@ def op_programs(name, n):
                 cases.append((prefix + str(Instruction(name, (a, b), ())), "feature"))
             cases.append((str(Instruction(name, (Value(0), Param(0)), ())), "full"))
             cases.append((str(Instruction(name, (Value(0), Param(0)), ())), "row"))
+        elif name == "prelu":
+            cases.append(("prelu(%0,$0)", "slopes"))
+            cases.append(("prelu(%0,$0)", "one"))
         elif spec.kind == POINTWISE and name == "batch_norm":
             cases.append((str(Instruction(name, (Value(0), Param(0), Param(1), Param(2), Param(3)), attr_values)),
                           "batch_norm"))
@@ -176,6 +179,10 @@ def make_params(kind, m, n, dtype):
         return [rand(m, n) + 2.0]
     if kind == "row":
         return [rand(m, 1) + 2.0]
+    if kind == "slopes":
+        return [rand(n)]
+    if kind == "one":
+        return [rand(1)]
     if kind == "affine":
         return [rand(n), rand(n)]
     if kind == "batch_norm":
@@ -472,6 +479,8 @@ FAMILIES = [
     ("rms_norm(%0,$0,None);silu(%1)", [("n",)], None),
     ("group_norm(%0,$0,$1,8,1e-05);amin(%1,1,True);add(%2,$2)", [("n",), ("n",), (1, "n", 1, 1)], "broadcast"),
     ("mean(%0,-1,True);sub($0,%1);sigmoid(%2);mul(%3,%2)", [(1, "n", 1, 1)], "broadcast"),  # tail with a slot
+    ("prelu(%0,$0);prelu(%1,$1)", [("n",), (1,)], None),                     # slopes per feature, then one
+    ("amin(%0,-1,True);add(%1,$0);prelu(%2,$1)", [(1, "n", 1, 1), ("n",)], "broadcast"),  # prelu's dim 1 in the tail
     # reductions of a reduced value, as fxfuse's matcher writes them (epilogue.py's over_one_feature)
     ("amax(%0,-1,True);add(%1,0.0);sub(%1,%2);gelu(%3,'none')", [], "rows_keep"),
     ("sum(%0,-1,True);add(%1,0.0);pow(%2,1.0);sub(%3,%3);exp(%4);log(%5)", [], "rows_keep"),
@@ -738,13 +747,38 @@ def test_errors_are_eager_errors():
     assert str(eager.value).splitlines()[0] in str(fused.value)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"], indirect=True)
+@pytest.mark.parametrize("lead, slopes", [((1, 7), 7), ((3, 7), 7), ((3, 7), 1), ((2, 1), 1)])
+def test_prelu_of_a_3d_output_reads_its_slopes_along_dim_1(lead, slopes, precision):
+    """eager's prelu takes dim 1 as the channels: one slope per row of a (1, T, N) output (a per-row param), one
+    per T rows of a (B, T, N) one (the reference), or one for all."""
+    dtype = DTYPES[precision]
+    x, weight, bias = linear_inputs(None, 64, 256, dtype, lead=lead)
+    run_and_check("prelu(%0,$0)", x, weight, bias, [torch.randn(slopes, device="cuda").to(dtype)],
+                  bound_for(precision))
+
+
+@pytest.mark.parametrize("program, slopes", [("prelu(%0,$0)", (29,)), ("prelu(%0,$0)", (31,)), ("prelu(%0,$0)", (8,)),
+                                             ("prelu(%0,$0)", (1, 30)), ("prelu($0,%0)", (30,)), ("prelu(%0,%0)", ())])
+def test_prelu_slopes_that_are_not_the_channels_raise_eagers_error(program, slopes):
+    """Slopes of another count than the channels (dim 1), of 2 dims, or the value itself: eager raises."""
+    x, weight, bias = linear_inputs(8, 16, 30, torch.float32)
+    params = [torch.randn(slopes, device="cuda")] if "$" in program else []
+    with pytest.raises(RuntimeError) as eager:
+        run_reference(x, weight, bias, params, program)
+    with pytest.raises(RuntimeError) as fused:
+        torch.ops.fxfuse.gemm_epilogue(x, weight, bias, params, program)
+    assert str(eager.value).splitlines()[0] in str(fused.value)
+
+
 # Hand-written programs whose references raise TypeError (the pass never writes them): a None or a string where the
 # op takes a number, a number or None for gelu's string, a float or a bool where the op takes an integer dim or
-# group count, a number for an operand of torch.maximum / minimum (which take tensors).
+# group count, a number for an operand of torch.maximum / minimum or prelu (which take tensors).
 BAD_ATTRIBUTE_PROGRAMS = ["hardtanh(%0,None,2.0)", "leaky_relu(%0,None)", "softplus(%0,None,20.0)", "pow(%0,None)",
                           "hardtanh(%0,'tanh',2.0)", "gelu(%0,1.0)", "gelu(%0,None)",
                           "sum(%0,-1.0,True)", "amin(%0,True,True)", "softmax(%0,-1.0)", "logsumexp(%0,1.0,False)",
-                          "group_norm(%0,$0,$1,5.0,1e-05)", "maximum(%0,2.5)", "minimum(1.5,%0)"]
+                          "group_norm(%0,$0,$1,5.0,1e-05)", "maximum(%0,2.5)", "minimum(1.5,%0)",
+                          "prelu(%0,2.5)"]
 
 
 @pytest.mark.parametrize("op", ["gemm_epilogue", "gemm_epilogue_train"])

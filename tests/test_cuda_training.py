@@ -74,6 +74,17 @@ def _relative_errors(grads, reference):
 
 
 @pytest.mark.parametrize("how", HOW)
+@pytest.mark.parametrize("slopes, x_shape", [(1, (64, 96)), (256, (64, 96)), (40, (1, 40, 96)), (40, (2, 40, 96))],
+                         ids=["one-slope", "per-feature", "per-row-of-3d", "per-token-of-3d"])
+def test_prelu_gradients_match_eager(slopes, x_shape, how):
+    """The slopes' gradients too: summed over rows on the device (one, per feature), per row, or by the reference."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(96, 256), nn.PReLU(slopes, init=-0.3)).cuda()
+    x = torch.randn(*x_shape, device="cuda")
+    assert_gradients_match(model, _fused(model, [x], how), [x], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("how", HOW)
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
 def test_bfloat16_gradients_as_close_to_float64_as_eager(name, how, device="cuda"):
     model, inputs = _example_on(name, device, torch.bfloat16)

@@ -2471,6 +2471,64 @@ def test_elementwise_max_that_eager_refuses_is_not_fused_and_raises_as_eager(spe
         optimized(rows())
 
 
+# ---------------------------------------------------------------- prelu's slopes: one, or one per channel (dim 1)
+
+def test_prelu_of_a_3d_output_reads_its_slopes_along_dim_1_as_eager():
+    """eager's prelu takes dim 1 as the channels: on a (batch, tokens, features) output, one slope per token."""
+    model = GemmThen(lambda m, x, y: m.act(m.fc(x)), act=nn.PReLU(5, init=-0.5))
+    optimized = assert_whole_chain_fused(model, (torch.randn(2, 5, IN),))
+    assert fused_programs(optimized) == ["prelu(%0,$0)"]
+
+
+@pytest.mark.parametrize("slopes, example, called", [
+    (OUT, (BATCH, IN), (2, BATCH, IN)),  # one per feature, then a 3-D call: its dim 1 is not the features
+    (OUT, (2, BATCH, IN), (2, BATCH, IN)),
+    (BATCH, (2, BATCH, IN), (BATCH, IN)),  # one per token, then a 2-D call
+    (OUT + 1, (BATCH, IN), (BATCH, IN)),
+], ids=["per-feature-then-3d", "per-feature-on-3d", "per-token-then-2d", "another-count"])
+def test_prelu_whose_slopes_are_not_its_channels_raises_as_eager(slopes, example, called):
+    model = GemmThen(lambda m, x, y: m.act(m.fc(x)), act=nn.PReLU(slopes))
+    optimized = fxfuse.optimize(model, (torch.randn(*example),))
+    for candidate in (model, optimized):
+        with pytest.raises(RuntimeError, match="Mismatch of parameter numbers and input channel size"):
+            candidate(torch.randn(*called))
+
+
+@pytest.mark.parametrize("slopes, error", [
+    (torch.randn(1, OUT), "Expected `weight` to be a scalar or 1D tensor"),
+    (torch.randn(OUT, dtype=torch.float64), "Type promoting not supported"),
+], ids=["2d-slopes", "float64-slopes"])
+def test_prelu_whose_slopes_eager_refuses_raises_as_eager(slopes, error):
+    model = GemmThen(lambda m, x, y: F.prelu(m.fc(x), m.w), w=nn.Parameter(slopes))
+    optimized = fxfuse.optimize(model, (rows(),))
+    for candidate in (model, optimized):
+        with pytest.raises(RuntimeError, match=error):
+            candidate(rows())
+
+
+def test_prelu_of_a_number_is_not_fused_and_raises_as_eager():
+    model = GemmThen(lambda m, x, y: F.prelu(m.fc(x), 0.25))
+    optimized = fxfuse.optimize(model, (rows(),))
+    assert not optimized.fxfuse_report.fused
+    for candidate in (model, optimized):
+        with pytest.raises(TypeError, match="must be Tensor"):
+            candidate(rows())
+
+
+def test_an_unused_prelu_stays_to_raise_where_eager_does():
+    """Its slopes are read along dim 1: a later call of another rank makes eager raise for it, so it is not dropped."""
+    def epilogue(m, x, y):
+        h = m.fc(x)
+        m.act(h)
+        return h.relu()
+    model = GemmThen(epilogue, act=nn.PReLU(OUT))
+    optimized = fxfuse.optimize(model, (rows(),))
+    assert_reason(optimized, "the value of `act` is never used")
+    for candidate in (model, optimized):
+        with pytest.raises(RuntimeError, match="Mismatch of parameter numbers"):
+            candidate(torch.randn(2, BATCH, IN))
+
+
 # ---------------------------------------------------------------- in-place changes the graph does not name (review)
 
 class DoublesInPlace(nn.Module):

@@ -35,6 +35,7 @@ GRADCHECK_PROGRAMS = {
     "rms_norm_softmax": ("rms_norm(%0,$0,1e-06);softmax(%1,-1)", [(N,)]),
     "residual_and_outside_input": ("leaky_relu(%0,0.1);add(%1,%1);mul(%2,$0);div(%3,$1)", [(M, N), (N,)]),
     "eval_batch_norm": ("batch_norm(%0,$0,$1,$2,$3,1e-05);elu(%1,1.0,1.0,1.0)", [(N,), (N,), (N,), (N,)]),
+    "prelu_per_feature_then_one_slope": ("prelu(%0,$0);prelu(%1,$1)", [(N,), (1,)]),
 }
 
 
@@ -455,7 +456,8 @@ class _OnBoundsAndTies(nn.Module):
     (lambda h: torch.max(h, 1).values, "max_dim"),
     (lambda h: torch.min(h, -1, keepdim=True)[0] * 2.0, "min_dim"),
     (lambda h: torch.amax(h, 1), "amax"),
-], ids=["hardtanh", "relu6", "clamp", "max.values", "min[0]", "amax"])
+    (nn.PReLU(12, init=-0.5), "prelu"),
+], ids=["hardtanh", "relu6", "clamp", "max.values", "min[0]", "amax", "prelu"])
 def test_gradients_on_bounds_and_ties_are_eagers(spelling, canonical, mode):
     """Hardtanh's gradient is 0 on its bounds and clamp's is 1; torch.max(h, dim) gives a tied row's gradient
     to the first extreme element and amax splits it: each spelling keeps its own, exactly."""
@@ -469,6 +471,37 @@ def test_gradients_on_bounds_and_ties_are_eagers(spelling, canonical, mode):
     (program,) = [row.program for row in optimized.fxfuse_report.fused]
     assert f"{canonical}(" in program, program
     assert_gradients_match(model, optimized, [x], rtol=0, atol=0)
+
+
+class LinearPReLU(nn.Module):
+    def __init__(self, slopes):
+        super().__init__()
+        self.fc = nn.Linear(6, 12)
+        self.act = nn.PReLU(slopes, init=0.1)
+        with torch.no_grad():
+            self.act.weight.uniform_(-1.0, 1.0)
+
+    def forward(self, x):
+        return self.act(self.fc(x))
+
+
+@pytest.mark.parametrize("how", ["optimize", "compile"])
+@pytest.mark.parametrize("slopes, x_shape", [(1, (16, 6)), (12, (16, 6)), (5, (4, 5, 6))],
+                         ids=["one-slope", "per-feature", "per-token-of-3d"])
+def test_prelu_slopes_get_eagers_gradients(slopes, x_shape, how):
+    """The slopes' gradient is eager's (x * grad where x <= 0, summed over what each slope covers), in training."""
+    torch._dynamo.reset()
+    model = LinearPReLU(slopes).train()
+    x = torch.randn(*x_shape)
+    if how == "optimize":
+        candidate = fxfuse.optimize(model, (x,))
+        assert [row.program for row in candidate.fxfuse_report.fused] == ["prelu(%0,$0)"]
+    else:
+        backend = fxfuse.make_backend(inner="eager")
+        candidate = torch.compile(model, backend=backend, fullgraph=True)
+    assert_gradients_match(model, candidate, [x])
+    if how == "compile":
+        assert [row.program for r in backend.reports for row in r.fused] == ["prelu(%0,$0)"]
 
 
 class RowMaxWithoutGrad(nn.Module):
