@@ -94,6 +94,16 @@ def test_optimized_model_under_autocast(name, mode):
         assert model.fc.weight.grad.dtype == torch.float32 and model.fc.weight.grad.abs().sum() > 0
 
 
+def test_prelu_of_a_bf16_model_with_slopes_per_token_under_autocast_is_eagers():
+    """prelu reads its slopes along dim 1, the tokens of a 3-D output: the fake run that finds the result's dtype
+    under autocast kept that dim (it made it 1, and prelu raised for slopes as many as the features)."""
+    model = nn.Sequential(nn.Linear(6, 8), nn.PReLU(8, init=-0.5)).to(torch.bfloat16)
+    x = torch.randn(2, 8, 6, dtype=torch.bfloat16)
+    optimized = fxfuse.optimize(model, (x,))
+    assert fused_op_count(optimized) == 1
+    _check_under_autocast(model, optimized, x, "cpu", fused_below=True)
+
+
 def test_an_fp32_residual_keeps_eagers_precision():
     """An fp32 param added under autocast is eager's exactly: not rounded to bf16 (a residual of 100s would lose
     its last 8 bits)."""
