@@ -206,6 +206,7 @@ FAMILY_FALLBACKS = {  # program -> the reason the backward kernel declines it
     "amax(%0,-1,True);sub(%0,%1);exp(%2)": "read again later",
     "mean(%0,-1,True);sub($0,%1);sigmoid(%2);mul(%3,%2)": "more than adds and subtracts",
     "amin(%0,-1,True);add(%1,$0);prelu(%2,$1)": "more than adds and subtracts",
+    "amax(%0,-1,True);add(%1,0.0);sub(%1,%2);gelu(%3,'none')": "read again later",
 }
 
 
