@@ -23,6 +23,7 @@ from .canonicalize import LINEAR, Attr, augmented_assignment, canonicalize, has_
 from .epilogue import EPILOGUE_OPS, POINTWISE
 from .library import gemm_epilogue, gemm_epilogue_train
 from .match import Facts, Region, find_region, module_tensor, module_tensor_path
+from .program import Param
 from .report import FusedRow, MissRow, Report
 
 logger = logging.getLogger("fxfuse")
@@ -341,22 +342,41 @@ def require_out_without_grad(x: torch.Tensor, op: str, tensors: list) -> None:
                            "one of the arguments requires grad.")
 
 
-def number_as_tensor(value):
+def number_as_tensor(value, refused_by: tuple = ()):
     """Called by rewritten graphs for a forward argument that the matcher took for a tensor (optimize()'s: a number
     may be passed where the example input was a tensor) or that it could not tell without example inputs: a number
     passed there (Python's or NumPy's) becomes a 0-d CPU tensor, which torch's ops read at full precision
     as they read a number, and which does not promote the result's dtype; the fused op's tensor params take it
     (on a GPU, its reference runs). NumPy's bool_ is no numbers.Number: its scalars are told by their module. A
     float becomes a float64 tensor (a complex one complex128), as precise as Python's number: a float32 one made
-    1e40 inf in a float64 model."""
+    1e40 inf in a float64 model. `refused_by`: (op, operand position) pairs of the program's ops that take no number
+    there (torch.maximum, prelu's slopes), whose references then raise eager's own TypeError."""
     is_numpy_scalar = type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0
     if not (isinstance(value, numbers.Number) or is_numpy_scalar):
         return value
+    for op, position in refused_by:
+        spec = EPILOGUE_OPS[op]
+        args = [torch.zeros(()) for _ in spec.operands]
+        args[position] = value
+        spec.reference(*args)
     if isinstance(value, float):  # (NumPy's float64 is a float too; its float32 keeps its own dtype)
         return torch.tensor(value, dtype=torch.float64)
     if isinstance(value, complex):
         return torch.tensor(value, dtype=torch.complex128)
     return torch.tensor(value)
+
+
+def _taking_no_number(program, param: int) -> tuple:
+    """(op, operand position) of each pointwise op of `program` that reads param `param` where torch's op takes a
+    tensor only: an operand of torch.maximum, or prelu's slopes (a feature operand)."""
+    uses = []
+    for ins in program.instructions:
+        spec = EPILOGUE_OPS[ins.op.rstrip("_")]
+        for position, operand in enumerate(ins.operands[:len(spec.operands)]):
+            if operand == Param(param) and spec.kind == POINTWISE and not spec.attrs and \
+                    (not spec.takes_numbers or spec.operands[position] in spec.feature_operands):
+                uses.append((spec.name, position))
+    return tuple(uses)
 
 
 def _maybe_number(node, shapes_guarded: bool) -> bool:
@@ -481,8 +501,8 @@ def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool,
             graph.call_function(require_features, (region.x, weight, features, dim, f"`{path}`"))
         if region.transpose_weight:
             weight = graph.call_function(torch.t, (weight,))
-        params = [graph.call_function(number_as_tensor, (p,)) if _maybe_number(p, shapes_guarded)
-                  else _tensor_node(graph, p) for p in region.params]
+        params = [graph.call_function(number_as_tensor, (p, _taking_no_number(region.program, k)))
+                  if _maybe_number(p, shapes_guarded) else _tensor_node(graph, p) for k, p in enumerate(region.params)]
         bias = _tensor_node(graph, region.bias)
         if region.out_write is not None and not shapes_guarded:
             op, read = region.out_write

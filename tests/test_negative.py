@@ -238,6 +238,22 @@ def test_a_result_that_depends_on_the_gemm_only_through_detach_is_not_fused_with
         assert_gradients_match(model, optimized, (x,))
 
 
+@pytest.mark.parametrize("example_inputs", [True, False], ids=["shapes", "no-shapes"])
+@pytest.mark.parametrize("epilogue", [lambda m, x, y: torch.maximum(m.fc(x), y),
+                                      lambda m, x, y: torch.minimum(y, m.fc(x)), lambda m, x, y: F.prelu(m.fc(x), y)],
+                         ids=["maximum", "minimum-first", "prelu"])
+def test_a_number_where_the_op_takes_a_tensor_only_raises_eagers_error(epilogue, example_inputs):
+    """A forward argument passed as a number becomes a 0-d tensor for the fused op (number_as_tensor); torch.maximum's
+    operands and prelu's slopes take no number, and eager raises there."""
+    model = GemmThen(epilogue)
+    optimized = fxfuse.optimize(model, (rows(), torch.rand(OUT)) if example_inputs else None)
+    assert fused_op_count(optimized) == 1
+    with pytest.raises(TypeError) as eager:
+        model(rows(), 0.5)
+    with pytest.raises(TypeError, match=re.escape(str(eager.value))):
+        optimized(rows(), 0.5)
+
+
 def test_min_whose_indices_are_used_too():
     model = GemmThen(lambda m, x, y: (lambda r: r[0] + r[1])(torch.min(m.fc(x), 1)))
     assert_not_fused(model, (rows(),), reason="the indices of `min_1` are used too")
