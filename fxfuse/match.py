@@ -264,9 +264,10 @@ class _Growth:
                     stack.append(source)
         return None
 
-    def outside_operand_problem(self, operand, dtype, in_place: bool = False) -> str | None:
+    def outside_operand_problem(self, operand, dtype, in_place: bool = False, promotes: bool = True) -> str | None:
         """Why `operand`, a tensor from outside the region, can't be a param of its fused op, or None. `in_place`:
-        it is an operand of an in-place op, whose value keeps its dtype in eager (`h += b64` stays float32)."""
+        it is an operand of an in-place op, whose value keeps its dtype in eager (`h += b64` stays float32);
+        `promotes`: its op promotes its operands' dtypes, as binary ops do (prelu and the norms raise instead)."""
         if isinstance(operand, fx.Node):
             through = self.depends_on_region(operand)
             if through is not None:
@@ -285,7 +286,7 @@ class _Growth:
         tensor = self.facts.tensor(operand)
         if tensor is not None and tensor.dtype != dtype:
             value = torch.empty(0, dtype=dtype, device="meta")
-            promoted = not in_place and \
+            promoted = promotes and not in_place and \
                 torch.result_type(value, torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")) != dtype
             effect = ("eager would promote the result" if promoted
                       else "the fused op takes params in the GEMM's dtype only")
@@ -402,7 +403,9 @@ class _Growth:
                     return problem
                 operands.append(number)
             elif isinstance(operand, (fx.Node, Attr)):
-                problem = self.outside_operand_problem(operand, self.dtype, in_place=mutated is not None)
+                promotes = c.op not in EPILOGUE_OPS or EPILOGUE_OPS[c.op].is_binary
+                problem = self.outside_operand_problem(operand, self.dtype, in_place=mutated is not None,
+                                                       promotes=promotes)
                 if problem:
                     return problem
                 operands.append(self.param(operand))

@@ -310,6 +310,13 @@ def test_an_operand_of_another_dtype_says_whether_eager_promotes(operand, promot
     assert_reason(optimized, f"while the GEMM is float32 ({effect})")
 
 
+def test_prelus_float64_slopes_do_not_say_eager_promotes():
+    """eager's prelu raises for slopes of another dtype; explain() said eager would promote the result."""
+    model = GemmThen(lambda m, x, y: F.prelu(m.fc(x), m.w), w=nn.Parameter(torch.rand(OUT, dtype=torch.float64)))
+    optimized = fxfuse.optimize(model, (rows(),))
+    assert_reason(optimized, "while the GEMM is float32 (the fused op takes params in the GEMM's dtype only)")
+
+
 def test_an_in_place_operand_of_another_dtype_does_not_say_eager_promotes():
     """`h += self.s` with a float64 vector keeps `h` float32 in eager: explain() said eager would promote it."""
     model = GemmThen(lambda m, x, y: torch.relu(m.fc(x).add_(m.s)), s=torch.ones(OUT, dtype=torch.float64))
