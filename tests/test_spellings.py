@@ -505,14 +505,19 @@ FEATURE_NUMBERS = [
 ]
 
 
-@pytest.mark.parametrize("with_examples", [True, False], ids=["example-inputs", "no-example-inputs"])
-@pytest.mark.parametrize("canonical, epilogue, extras", FEATURE_NUMBERS)
-def test_number_read_from_the_features_fuses(canonical, epilogue, extras, with_examples):
+def assert_fuses_to(canonical, epilogue, extras, with_examples):
+    """The GEMM then `epilogue` becomes one fused op whose program holds `canonical`, with or without examples."""
     model = GemmThen(epilogue, **extras).eval()
     optimized = assert_whole_chain_fused(model, (torch.randn(BATCH, IN),),
                                          example_inputs=None if with_examples else False)
     (program,) = fused_programs(optimized)
     assert canonical in program.replace(" ", ""), f"expected {canonical} in {program}"
+
+
+@pytest.mark.parametrize("with_examples", [True, False], ids=["example-inputs", "no-example-inputs"])
+@pytest.mark.parametrize("canonical, epilogue, extras", FEATURE_NUMBERS)
+def test_number_read_from_the_features_fuses(canonical, epilogue, extras, with_examples):
+    assert_fuses_to(canonical, epilogue, extras, with_examples)
 
 
 def test_number_read_from_the_features_raises_once_the_weight_has_other_features():
@@ -547,11 +552,7 @@ OUT_INTO_ITSELF = [
 @pytest.mark.parametrize("with_examples", [True, False], ids=["example-inputs", "no-example-inputs"])
 @pytest.mark.parametrize("canonical, epilogue, extras", OUT_INTO_ITSELF)
 def test_op_written_into_its_own_input_fuses_as_its_in_place_form(canonical, epilogue, extras, with_examples):
-    model = GemmThen(epilogue, **extras).eval()
-    optimized = assert_whole_chain_fused(model, (torch.randn(BATCH, IN),),
-                                         example_inputs=None if with_examples else False)
-    (program,) = fused_programs(optimized)
-    assert canonical in program.replace(" ", ""), f"expected {canonical} in {program}"
+    assert_fuses_to(canonical, epilogue, extras, with_examples)
 
 
 def test_op_written_into_its_own_input_raises_as_eager_does_where_autograd_would_record_it():
@@ -585,8 +586,4 @@ ALPHA_OF_A_VALUE = [
 @pytest.mark.parametrize("canonical, epilogue, extras", ALPHA_OF_A_VALUE)
 def test_alpha_scaling_a_value_of_the_chain_fuses_as_a_mul_first(canonical, epilogue, extras, with_examples):
     """Eager computes `input + alpha * other`: the program scales `other` first (within rounding of a multiply-add)."""
-    model = GemmThen(epilogue, **extras).eval()
-    optimized = assert_whole_chain_fused(model, (torch.randn(BATCH, IN),),
-                                         example_inputs=None if with_examples else False)
-    (program,) = fused_programs(optimized)
-    assert canonical in program.replace(" ", ""), f"expected {canonical} in {program}"
+    assert_fuses_to(canonical, epilogue, extras, with_examples)
