@@ -703,6 +703,69 @@ _reduction("amax", (torch.amax,), ("amax",), "(input, dim=(), keepdim=False)")
 _reduction("amin", (torch.amin,), ("amin",), "(input, dim=(), keepdim=False)")
 _reduction("logsumexp", (torch.logsumexp, torch.special.logsumexp), ("logsumexp",), "(input, dim, keepdim=False)")
 
+
+def _spread(op):
+    """torch.var / torch.std over one dim. Eager's overloads (`unbiased` by position or name, or `correction=`;
+    `torch.var(h, True)` over every dim) are checked by its own parser first (_check_eager_takes)."""
+    @spelling("(input, dim=None, unbiased=None, keepdim=False, *, correction=None)", functions=(getattr(torch, op),),
+              methods=(op,))
+    def handler(a, inplace):
+        if isinstance(a["dim"], bool):  # the `(input, unbiased)` overload
+            raise NotFusible(f"{op} without a dim reduces the whole tensor")
+        if a["unbiased"] is not None:
+            correction = 1.0 if _bool_argument(a["unbiased"], f"{op}'s unbiased") else 0.0
+        else:
+            correction = 1.0 if a["correction"] is None else _number(a["correction"], f"{op}'s correction")
+        return Canonical(op, (a["input"],), {"dim": _single_dim(a["dim"], op),
+                                             "keepdim": _bool_argument(a["keepdim"], f"{op}'s keepdim"),
+                                             "correction": correction})
+    return handler
+
+
+_spread("var")
+_spread("std")
+
+
+def _two_norm(order, default_order, what: str) -> None:
+    """The fused ops take the 2-norm only: `ord=2`, or the spelling's default where it is the 2-norm."""
+    if order is None:
+        order = default_order
+    if order != "fro" and (isinstance(order, (bool, str)) or order != 2):
+        raise NotFusible(f"{what} of order {order!r}: the fused op takes the 2-norm only")
+
+
+def _vector_norm_canonical(a, order, default_order, what):
+    _two_norm(order, default_order, what)
+    if a["dim"] is None:  # torch.norm's Frobenius norm, or linalg.norm's matrix norm: over every dim
+        raise NotFusible(f"{what} without a dim reduces the whole tensor")
+    return Canonical("vector_norm", (a["input"],), {"dim": _single_dim(a["dim"], what),
+                                                    "keepdim": _bool_argument(a["keepdim"], f"{what}'s keepdim"),
+                                                    **_dtype_needed(a["dtype"])})
+
+
+@spelling("(input, ord=2, dim=None, keepdim=False, *, dtype=None)", functions=(torch.linalg.vector_norm,))
+def _linalg_vector_norm(a, inplace):
+    return _vector_norm_canonical(a, a["ord"], 2, "vector_norm")
+
+
+@spelling("(input, ord=None, dim=None, keepdim=False, *, dtype=None)", functions=(torch.linalg.norm,))
+def _linalg_norm(a, inplace):
+    if isinstance(a["dim"], (list, tuple)) and len(a["dim"]) == 2:
+        raise NotFusible("linalg.norm over two dims is a matrix norm")
+    return _vector_norm_canonical(a, a["ord"], 2, "linalg.norm")
+
+
+@spelling("(input, p='fro', dim=None, keepdim=False, dtype=None)", functions=(torch.norm,), methods=("norm",))
+def _norm(a, inplace):
+    return _vector_norm_canonical(a, a["p"], "fro", "norm")
+
+
+@spelling("(input, p=2.0, dim=1, eps=1e-12)", functions=(F.normalize,))
+def _normalize(a, inplace):
+    _two_norm(a["p"], 2.0, "normalize")
+    return Canonical("normalize", (a["input"],), {"dim": _int_argument(a["dim"], "normalize's dim"),
+                                                  "eps": _number(a["eps"], "normalize's eps")})
+
 # torch.max(x, dim) / torch.min(x, dim) return (values, indices): the reduction is the `[0]` / `.values` node.
 # Not amax / amin: those split a tied row's gradient between its extremes, these give it to the indexed one.
 _VALUES_OF = {"max": "max_dim", "min": "min_dim"}

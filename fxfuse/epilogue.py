@@ -318,6 +318,12 @@ def batch_norm(x, running_mean, running_var, weight, bias, *, eps):
     return F.batch_norm(x, running_mean, running_var, weight, bias, False, 0.0, eps)
 
 
+@epilogue_op(NORM, samples=({"dim": -1, "eps": 1e-12}, {"dim": -1, "eps": 0.5}), feature_dim_attr="dim")
+def normalize(x, *, dim, eps):
+    # Each row over its 2-norm, or over eps where the norm is smaller (F.normalize with p=2).
+    return F.normalize(x, 2.0, dim, eps)
+
+
 # Over one value: x - max(x) is 0, or NaN for an infinity or NaN, as x - x; its exp is softmax's 1, and the log of
 # that log_softmax's 0 (exp and log: float32 under CUDA's autocast, as softmax and log_softmax).
 _SOFTMAX_OF_ONE = (("sub", ("x", "x")), ("exp", ("y",)))
@@ -377,3 +383,24 @@ def min_dim(x, *, dim, keepdim):
 @epilogue_op(REDUCTION, samples=_REDUCE_SAMPLES, feature_dim_attr="dim", over_one_feature=_PLUS_ZERO_IN_FP32)
 def logsumexp(x, *, dim, keepdim):
     return torch.logsumexp(x, dim, keepdim)
+
+
+# The spread of a row: its squared deviations from the row's mean, summed, over max(0, count - correction).
+_SPREAD_SAMPLES = ({"dim": -1, "keepdim": True, "correction": 1}, {"dim": -1, "keepdim": False, "correction": 0},
+                   {"dim": -1, "keepdim": True, "correction": 2.5})
+
+
+@epilogue_op(REDUCTION, samples=_SPREAD_SAMPLES, feature_dim_attr="dim")
+def var(x, *, dim, keepdim, correction):
+    return torch.var(x, dim, correction=correction, keepdim=keepdim)
+
+
+@epilogue_op(REDUCTION, samples=_SPREAD_SAMPLES, feature_dim_attr="dim")
+def std(x, *, dim, keepdim, correction):
+    return torch.std(x, dim, correction=correction, keepdim=keepdim)
+
+
+@epilogue_op(REDUCTION, samples=_REDUCE_SAMPLES, feature_dim_attr="dim")
+def vector_norm(x, *, dim, keepdim):
+    # The 2-norm of each row (torch.linalg.vector_norm's default ord; float32 under CUDA's autocast).
+    return torch.linalg.vector_norm(x, 2, dim, keepdim)

@@ -313,6 +313,46 @@ __device__ __forceinline__ void backward_row_op(const Ctx& ctx, const BackwardRo
         for (int j = 0; j < VEC; ++j) grad[c][j] = grad[c][j] / sum_a[c] * work[c][j];
       return;
     }
+    case Statistic::CenteredSquares: {
+      // var: dx = grad * 2 (x - mean) / (count - correction); std first takes grad / (2 std), 0 where std is 0
+      // (torch's var_backward and std_backward)
+      const float scale = 2.0f / (static_cast<float>(ins.group_size) - ins.attrs.a0);
+#pragma unroll
+      for (int c = 0; c < CHUNKS; ++c) {
+        const float result = Std::result(s0[c], s1[c], ins.group_size, ins.attrs);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          float grad_var = grad[c][j];
+          if (ins.op == OP_std) grad_var = result == 0.0f ? 0.0f : grad_var / (result * 2.0f);
+          grad[c][j] = scale * grad_var * (x[c][j] - s0[c]);
+        }
+      }
+      return;
+    }
+    case Statistic::RootSumSquare: {
+      if (ins.op == OP_vector_norm) {
+        // dx = x * grad / norm, 0 where the norm is 0 (torch's norm_backward)
+#pragma unroll
+        for (int c = 0; c < CHUNKS; ++c)
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) grad[c][j] = s0[c] == 0.0f ? 0.0f : x[c][j] * (grad[c][j] / s0[c]);
+        return;
+      }
+      // normalize, y = x / d with d = max(norm, eps): dx = (grad - xhat * sum(grad * xhat)) / d, xhat = x / d, and
+      // grad / d alone where the norm is below eps (autograd through F.normalize's norm, clamp_min and division)
+#pragma unroll
+      for (int c = 0; c < CHUNKS; ++c)
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) work[c][j] = grad[c][j] * (x[c][j] / s1[c]);
+      group_sum(sum_a);
+#pragma unroll
+      for (int c = 0; c < CHUNKS; ++c) {
+        const float through_norm = s0[c] >= ins.attrs.a0 ? sum_a[c] : 0.0f;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) grad[c][j] = (grad[c][j] - x[c][j] / s1[c] * through_norm) / s1[c];
+      }
+      return;
+    }
     case Statistic::Sum:
       if (ins.op == OP_mean)
 #pragma unroll

@@ -544,10 +544,12 @@ enum class Statistic {
   Sum,                // (sum, unused)
   Max,                // (max, unused), NaN propagates
   Min,                // (min, unused), NaN propagates
+  CenteredSquares,    // (mean, sum((x - mean)^2)), two-pass over the values held on chip
+  RootSumSquare,      // (sqrt(sum(x^2)), max(that, eps)): the 2-norm, and normalize's denominator
 };
 
 // How the host reads a norm's attributes (which become eps and the group count).
-enum class NormAttrs { GroupsEps, Eps, EpsOrFloatEps, Dim };
+enum class NormAttrs { GroupsEps, Eps, EpsOrFloatEps, Dim, DimEps };
 
 // ---------------------------------------------------------------- norms: y = F::apply(x, s0, s1, weight, bias)
 
@@ -572,6 +574,13 @@ struct RmsNorm {
   __device__ static float apply(float x, float, float rstd, float w, float) { return x * rstd * w; }
 };
 
+// fxfuse/epilogue.py::normalize (p = 2; the division as F.normalize's)
+struct Normalize {
+  static constexpr Statistic statistic = Statistic::RootSumSquare;
+  static constexpr NormAttrs attrs = NormAttrs::DimEps;
+  __device__ static float apply(float x, float, float denominator, float, float) { return x / denominator; }
+};
+
 // fxfuse/epilogue.py::softmax
 struct Softmax {
   static constexpr Statistic statistic = Statistic::MaxAndLogSumExp;
@@ -586,51 +595,82 @@ struct LogSoftmax {
   __device__ static float apply(float x, float m, float log_sum, float, float) { return x - m - log_sum; }
 };
 
-// ---------------------------------------------------------------- row reductions: y = F::result(s0, s1, count)
+// ---------------------------------------------------------------- row reductions: y = F::result(s0, s1, count, a)
+// Attributes after dim and keepdim, if any (num_attrs past those two), arrive in a (a0 = var's correction).
 
 // fxfuse/epilogue.py::sum
 struct Sum {
   static constexpr Statistic statistic = Statistic::Sum;
-  __device__ static float result(float sum, float, int) { return sum; }
+  __device__ static float result(float sum, float, int, const Attrs&) { return sum; }
 };
 
 // fxfuse/epilogue.py::mean
 struct Mean {
   static constexpr Statistic statistic = Statistic::Sum;
-  __device__ static float result(float sum, float, int count) { return sum / static_cast<float>(count); }
+  __device__ static float result(float sum, float, int count, const Attrs&) { return sum / static_cast<float>(count); }
 };
 
 // fxfuse/epilogue.py::amax
 struct Amax {
   static constexpr Statistic statistic = Statistic::Max;
-  __device__ static float result(float m, float, int) { return m; }
+  __device__ static float result(float m, float, int, const Attrs&) { return m; }
 };
 
 // fxfuse/epilogue.py::amin
 struct Amin {
   static constexpr Statistic statistic = Statistic::Min;
-  __device__ static float result(float m, float, int) { return m; }
+  __device__ static float result(float m, float, int, const Attrs&) { return m; }
 };
 
 // fxfuse/epilogue.py::max_dim (amax's values; the gradient to one element, FirstIndexGradient)
 struct MaxDim {
   static constexpr Statistic statistic = Statistic::Max;
   static constexpr bool first_index_gradient = true;
-  __device__ static float result(float m, float, int) { return m; }
+  __device__ static float result(float m, float, int, const Attrs&) { return m; }
 };
 
 // fxfuse/epilogue.py::min_dim
 struct MinDim {
   static constexpr Statistic statistic = Statistic::Min;
   static constexpr bool first_index_gradient = true;
-  __device__ static float result(float m, float, int) { return m; }
+  __device__ static float result(float m, float, int, const Attrs&) { return m; }
 };
 
 // fxfuse/epilogue.py::logsumexp
 struct Logsumexp {
   static constexpr Statistic statistic = Statistic::MaxAndLogSumExp;
-  __device__ static float result(float m, float log_sum, int) { return m + log_sum; }
+  __device__ static float result(float m, float log_sum, int, const Attrs&) { return m + log_sum; }
 };
+
+// fxfuse/epilogue.py::var (a0 = correction): the squared deviations over max(0, count - correction), as torch's
+struct Var {
+  static constexpr Statistic statistic = Statistic::CenteredSquares;
+  static constexpr int extra_attrs = 1;
+  __device__ static float result(float, float squares, int count, const Attrs& a) {
+    return squares / fmaxf(0.0f, static_cast<float>(count) - a.a0);
+  }
+};
+
+// fxfuse/epilogue.py::std (a0 = correction)
+struct Std {
+  static constexpr Statistic statistic = Statistic::CenteredSquares;
+  static constexpr int extra_attrs = 1;
+  __device__ static float result(float mean, float squares, int count, const Attrs& a) {
+    return sqrtf(Var::result(mean, squares, count, a));
+  }
+};
+
+// fxfuse/epilogue.py::vector_norm (the 2-norm)
+struct VectorNorm {
+  static constexpr Statistic statistic = Statistic::RootSumSquare;
+  __device__ static float result(float norm, float, int, const Attrs&) { return norm; }
+};
+
+// Attributes of a reduction after its dim and keepdim: `static constexpr int extra_attrs`, else none.
+template <class F, class = void>
+struct ReductionExtraAttrs : std::integral_constant<int, 0> {};
+template <class F>
+struct ReductionExtraAttrs<F, std::void_t<decltype(F::extra_attrs)>> : std::integral_constant<int, F::extra_attrs> {};
 
 // ================================================================ the tables: X(python_name, Functor)
 
@@ -647,10 +687,12 @@ struct Logsumexp {
 
 #define FXFUSE_FEATURE_AFFINE_OPS(X) X(batch_norm, BatchNorm)
 
-#define FXFUSE_NORM_OPS(X) \
-  X(group_norm, GroupNorm) X(layer_norm, LayerNorm) X(rms_norm, RmsNorm) X(softmax, Softmax) X(log_softmax, LogSoftmax)
+#define FXFUSE_NORM_OPS(X)                                                                                   \
+  X(group_norm, GroupNorm) X(layer_norm, LayerNorm) X(rms_norm, RmsNorm) X(softmax, Softmax)                 \
+  X(log_softmax, LogSoftmax) X(normalize, Normalize)
 
-#define FXFUSE_REDUCTION_OPS(X) \
-  X(sum, Sum) X(mean, Mean) X(amax, Amax) X(amin, Amin) X(max_dim, MaxDim) X(min_dim, MinDim) X(logsumexp, Logsumexp)
+#define FXFUSE_REDUCTION_OPS(X)                                                                              \
+  X(sum, Sum) X(mean, Mean) X(amax, Amax) X(amin, Amin) X(max_dim, MaxDim) X(min_dim, MinDim)                \
+  X(logsumexp, Logsumexp) X(var, Var) X(std, Std) X(vector_norm, VectorNorm)
 
 }  // namespace fxfuse

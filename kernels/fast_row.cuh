@@ -301,7 +301,7 @@ __device__ __forceinline__ void fast_reduction(const Ctx& ctx, const Instruction
                                                FastRowShared<CHUNKS>& shared) {
   float s0[CHUNKS], s1[CHUNKS];
   compute_statistic<F::statistic>(ctx, ins, cur, s0, s1, shared.cross_warp, nullptr);
-  const float result = F::result(s0[0], s1[0], ctx.prog.features);
+  const float result = F::result(s0[0], s1[0], ctx.prog.features, ins.attrs);
 #pragma unroll
   for (int c = 0; c < CHUNKS; ++c)
 #pragma unroll

@@ -558,6 +558,19 @@ __device__ __forceinline__ void compute_statistic(const Ctx& ctx, const Instruct
   } else if constexpr (S == Statistic::Sum) {
     chunk_sums(ctx, cur, s0, [](int, float v) { return v; });
     group_allreduce<SumOp>(s0, cpg, lpg, cross_warp);
+  } else if constexpr (S == Statistic::CenteredSquares) {
+    chunk_sums(ctx, cur, s0, [](int, float v) { return v; });
+    group_allreduce<SumOp>(s0, cpg, lpg, cross_warp);
+    const float inv_size = 1.0f / ins.group_size;
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) s0[c] *= inv_size;
+    chunk_sums(ctx, cur, s1, [&](int c, float v) { return (v - s0[c]) * (v - s0[c]); });
+    group_allreduce<SumOp>(s1, cpg, lpg, cross_warp);
+  } else if constexpr (S == Statistic::RootSumSquare) {
+    chunk_sums(ctx, cur, s0, [](int, float v) { return v * v; });
+    group_allreduce<SumOp>(s0, cpg, lpg, cross_warp);
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) s0[c] = sqrtf(s0[c]), s1[c] = maximum(s0[c], ins.attrs.a0);
   } else if constexpr (S == Statistic::Max) {
     chunk_extrema<MaxOp>(ctx, cur, s0);
     group_allreduce<MaxOp>(s0, cpg, lpg, cross_warp);
@@ -598,6 +611,10 @@ __device__ __forceinline__ void run_statistic(const Ctx& ctx, const Instruction&
       return compute_statistic<Statistic::Max>(ctx, ins, cur, s0, s1, cross_warp, shared_rows);
     case Statistic::Min:
       return compute_statistic<Statistic::Min>(ctx, ins, cur, s0, s1, cross_warp, shared_rows);
+    case Statistic::CenteredSquares:
+      return compute_statistic<Statistic::CenteredSquares>(ctx, ins, cur, s0, s1, cross_warp, shared_rows);
+    case Statistic::RootSumSquare:
+      return compute_statistic<Statistic::RootSumSquare>(ctx, ins, cur, s0, s1, cross_warp, shared_rows);
   }
 }
 
@@ -636,9 +653,9 @@ __device__ __forceinline__ void apply_row_op(const Ctx& ctx, const Instruction& 
                                              const float (&s0)[CHUNKS], const float (&s1)[CHUNKS]) {
   float result = 0.0f;
   switch (ins.op) {
-#define FXFUSE_RESULT_CASE(name, F)                      \
-  case OP_##name:                                        \
-    result = F::result(s0[0], s1[0], ctx.prog.features); \
+#define FXFUSE_RESULT_CASE(name, F)                                 \
+  case OP_##name:                                                   \
+    result = F::result(s0[0], s1[0], ctx.prog.features, ins.attrs); \
     break;
     FXFUSE_REDUCTION_OPS(FXFUSE_RESULT_CASE)
 #undef FXFUSE_RESULT_CASE

@@ -38,9 +38,9 @@ struct OpInfo {
 };
 
 constexpr int norm_operands(NormAttrs a) {
-  return a == NormAttrs::Dim ? 1 : (a == NormAttrs::EpsOrFloatEps ? 2 : 3);
+  return a == NormAttrs::Dim || a == NormAttrs::DimEps ? 1 : (a == NormAttrs::EpsOrFloatEps ? 2 : 3);
 }
-constexpr int norm_attr_count(NormAttrs a) { return a == NormAttrs::GroupsEps ? 2 : 1; }
+constexpr int norm_attr_count(NormAttrs a) { return a == NormAttrs::GroupsEps || a == NormAttrs::DimEps ? 2 : 1; }
 
 #define FXFUSE_UNARY_INFO(name, F) {#name, OP_##name, Category::Unary, 1, F::num_attrs, NormAttrs::Eps, false},
 #define FXFUSE_BINARY_INFO(name, F) \
@@ -48,7 +48,8 @@ constexpr int norm_attr_count(NormAttrs a) { return a == NormAttrs::GroupsEps ? 
 #define FXFUSE_AFFINE_INFO(name, F) {#name, OP_##name, Category::FeatureAffine, 5, 1, NormAttrs::Eps, false},
 #define FXFUSE_NORM_INFO(name, F) \
   {#name, OP_##name, Category::Norm, norm_operands(F::attrs), norm_attr_count(F::attrs), F::attrs, false},
-#define FXFUSE_REDUCTION_INFO(name, F) {#name, OP_##name, Category::Reduction, 1, 2, NormAttrs::Dim, false},
+#define FXFUSE_REDUCTION_INFO(name, F) \
+  {#name, OP_##name, Category::Reduction, 1, 2 + ReductionExtraAttrs<F>::value, NormAttrs::Dim, false},
 const OpInfo kOps[] = {FXFUSE_UNARY_OPS(FXFUSE_UNARY_INFO) FXFUSE_BINARY_OPS(FXFUSE_BINARY_INFO)
                            FXFUSE_FEATURE_AFFINE_OPS(FXFUSE_AFFINE_INFO) FXFUSE_NORM_OPS(FXFUSE_NORM_INFO)
                                FXFUSE_REDUCTION_OPS(FXFUSE_REDUCTION_INFO)};
@@ -546,9 +547,10 @@ std::string bind_phase(const Context& ctx, Binding& b, std::vector<Shape>& shape
             return "num_groups does not divide the features" + where;
           ins.group_size = static_cast<int32_t>(ctx.features / static_cast<int64_t>(groups.number));
         }
-        if (kind == NormAttrs::Dim) {
-          if (!is_last_dim(pi.attrs[0], static_cast<int64_t>(in_shape.size())))
-            return "softmax over a dim other than the last" + where;
+        if ((kind == NormAttrs::Dim || kind == NormAttrs::DimEps) &&
+            !is_last_dim(pi.attrs[0], static_cast<int64_t>(in_shape.size())))
+          return std::string(pi.op->name) + " over a dim other than the last" + where;
+        if (kind == NormAttrs::Dim) {  // softmax and log_softmax take no eps
         } else if (is_number(eps)) {
           ins.attrs.a0 = static_cast<float>(eps.number);
         } else if (eps.kind == Token::None && kind == NormAttrs::EpsOrFloatEps) {
@@ -567,6 +569,10 @@ std::string bind_phase(const Context& ctx, Binding& b, std::vector<Shape>& shape
         const Token& keepdim = pi.attrs[1];
         if (!is_last_dim(pi.attrs[0], static_cast<int64_t>(in_shape.size())) || keepdim.kind != Token::Bool)
           return "a reduction over a dim other than the last" + where;
+        for (size_t a = 2; a < pi.attrs.size(); ++a) {  // var's correction
+          if (!is_number(pi.attrs[a])) return "an attribute that is not a number" + where;
+          set_attribute(ins.attrs, a - 2, static_cast<float>(pi.attrs[a].number));
+        }
         ins.group_size = static_cast<int32_t>(ctx.features);
         out_shape = ctx.lead;
         if (keepdim.number != 0.0) out_shape.push_back(1);

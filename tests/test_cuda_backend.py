@@ -105,7 +105,8 @@ def test_exported_optimized_model(name, precision, device="cuda"):
             judge.check(program.module()(*batch_inputs), batch_inputs, f"{name} {precision} batch {size}")
 
 
-# KernelBench's level-2 chains of reductions of reduced values, residuals without a gradient and subtracted means.
+# KernelBench's level-2 chains of reductions of reduced values, residuals without a gradient and subtracted means;
+# then the spread and the 2-norm of a row.
 def _max_minus_mean_gelu(m, x):  # Gemm_Max_Subtract_GELU
     r = torch.max(m.fc(x), dim=1, keepdim=True).values
     return torch.nn.functional.gelu(r - r.mean(dim=1, keepdim=True))
@@ -121,6 +122,19 @@ def _scaled_plus_detached(m, x):  # Matmul_Scaling_ResidualAdd
     return h * 0.5 + h.clone().detach()
 
 
+def _standardized_by_std(m, x):  # a row's z-score, and its spread beside it
+    h = m.fc(x)
+    return (h - h.mean(-1, keepdim=True)) / h.std(-1, keepdim=True) + h.var(-1, keepdim=True, correction=0)
+
+
+def _normalized_embedding(m, x):  # a contrastive head: unit rows, scaled
+    return torch.nn.functional.normalize(torch.nn.functional.gelu(m.fc(x)), dim=-1) * 2.5
+
+
+def _row_norms(m, x):
+    return torch.linalg.vector_norm(torch.relu(m.fc(x)), dim=1, keepdim=True)
+
+
 class _Chain(torch.nn.Module):
     def __init__(self, chain):
         super().__init__()
@@ -131,7 +145,8 @@ class _Chain(torch.nn.Module):
 
 
 @pytest.mark.parametrize("precision", sorted(DTYPES))
-@pytest.mark.parametrize("chain", [_max_minus_mean_gelu, _sum_max_mean_logsumexp_twice, _scaled_plus_detached])
+@pytest.mark.parametrize("chain", [_max_minus_mean_gelu, _sum_max_mean_logsumexp_twice, _scaled_plus_detached,
+                                   _standardized_by_std, _normalized_embedding, _row_norms])
 def test_kernelbench_chains_fuse_whole_and_train(chain, precision):
     dtype = DTYPES[precision]
     model = _Chain(chain).to("cuda", dtype)

@@ -421,6 +421,17 @@ NEAR_SPELLINGS = {
     "clamp-by-tensor": (lambda m, x, y: torch.clamp(m.fc(x), min=y), "clamp's min is not a Python number"),
     "pow-by-tensor": (lambda m, x, y: torch.pow(m.fc(x), y), "the exponent is not a Python number"),
     "addmm-beta": (lambda m, x, y: torch.addmm(y, x, m.w, beta=0.5), "addmm with beta or alpha other than 1"),
+    "var-of-everything": (lambda m, x, y: torch.var(m.fc(x), True), "var without a dim reduces the whole tensor"),
+    "std-of-everything": (lambda m, x, y: m.fc(x).std(), "std without a dim reduces the whole tensor"),
+    "vector_norm-ord-3": (lambda m, x, y: torch.linalg.vector_norm(m.fc(x), 3, -1),
+                          "vector_norm of order 3: the fused op takes the 2-norm only"),
+    "norm-inf": (lambda m, x, y: m.fc(x).norm(float("inf"), 1),
+                 "norm of order inf: the fused op takes the 2-norm only"),
+    "norm-frobenius": (lambda m, x, y: torch.norm(m.fc(x)), "norm without a dim reduces the whole tensor"),
+    "linalg.norm-matrix": (lambda m, x, y: torch.linalg.norm(m.fc(x), dim=(0, 1)),
+                           "linalg.norm over two dims is a matrix norm"),
+    "normalize-p1": (lambda m, x, y: F.normalize(m.fc(x), p=1.0),
+                     "normalize of order 1.0: the fused op takes the 2-norm"),
 }
 
 
