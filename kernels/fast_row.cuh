@@ -295,17 +295,24 @@ __device__ __forceinline__ void fast_norm(const Ctx& ctx, const Instruction& ins
   }
 }
 
-// A row reduction's result in every element, so that later pointwise ops broadcast it for free.
+// A row reduction's result in every element, so that later pointwise ops broadcast it for free: a chain's, whose
+// op is known at compile time.
 template <class F, typename Ctx, int CHUNKS, int VEC>
 __device__ __forceinline__ void fast_reduction(const Ctx& ctx, const Instruction& ins, Values<CHUNKS, VEC>& cur,
                                                FastRowShared<CHUNKS>& shared) {
   float s0[CHUNKS], s1[CHUNKS];
   compute_statistic<F::statistic>(ctx, ins, cur, s0, s1, shared.cross_warp, nullptr);
-  const float result = F::result(s0[0], s1[0], ctx.prog.features, ins.attrs);
-#pragma unroll
-  for (int c = 0; c < CHUNKS; ++c)
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) cur[c][j] = result;
+  fill_with_result(cur, F::result(s0[0], s1[0], ctx.prog.features, ins.attrs));
+}
+
+// The same for an interpreted program's reduction: one copy of each statistic's code for every reduction op (a copy
+// per op made row_fast_bf16.cu's nvcc 73% longer once var, std and vector_norm joined the seven).
+template <typename Ctx, int CHUNKS, int VEC>
+__device__ __forceinline__ void any_fast_reduction(const Ctx& ctx, const Instruction& ins, Values<CHUNKS, VEC>& cur,
+                                                   FastRowShared<CHUNKS>& shared) {
+  float s0[CHUNKS], s1[CHUNKS];
+  run_statistic(ctx, ins, cur, s0, s1, shared.cross_warp, nullptr);
+  fill_with_result(cur, reduction_result(ins, s0[0], s1[0], ctx.prog.features));
 }
 
 // One instruction whose op is known at compile time.
@@ -340,8 +347,12 @@ __device__ __forceinline__ void fast_instruction(const Ctx& ctx, const Instructi
     break;
     FXFUSE_BINARY_OPS(FXFUSE_FAST_CASE)
     FXFUSE_NORM_OPS(FXFUSE_FAST_CASE)
-    FXFUSE_REDUCTION_OPS(FXFUSE_FAST_CASE)
 #undef FXFUSE_FAST_CASE
+#define FXFUSE_REDUCTION_LABEL(name, F) case OP_##name:
+    FXFUSE_REDUCTION_OPS(FXFUSE_REDUCTION_LABEL)
+#undef FXFUSE_REDUCTION_LABEL
+      any_fast_reduction(ctx, ins, cur, shared);
+      break;
     default:
       break;
   }

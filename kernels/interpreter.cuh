@@ -513,12 +513,33 @@ __device__ void normalize_groups_in_shared(const Ctx& ctx, const Instruction& in
   __syncthreads();
 }
 
+#define FXFUSE_STATISTIC_CASE(name, F) \
+  case OP_##name:                      \
+    return F::statistic;
+__host__ __device__ constexpr Statistic statistic_of(uint8_t op) {
+  switch (op) {
+    FXFUSE_NORM_OPS(FXFUSE_STATISTIC_CASE)
+    FXFUSE_REDUCTION_OPS(FXFUSE_STATISTIC_CASE)
+    default:
+      return Statistic::Sum;
+  }
+}
+#undef FXFUSE_STATISTIC_CASE
+
 // (s0, s1) of each chunk's group for the statistic S. MeanAndRstd in GROUP_SHARED mode normalizes cur in place
-// instead and returns (0, 1).
+// instead and returns (0, 1). MeanAndRstd's code also gives CenteredSquares, and RootMeanSquare's RootSumSquare
+// (run_statistic): the same passes, finished by the instruction's own statistic, one copy of the code in each kernel.
 template <Statistic S, typename Ctx, int CHUNKS, int VEC>
 __device__ __forceinline__ void compute_statistic(const Ctx& ctx, const Instruction& ins, Values<CHUNKS, VEC>& cur,
                                                   float (&s0)[CHUNKS], float (&s1)[CHUNKS],
                                                   CrossWarp<CHUNKS>& cross_warp, float* shared_rows) {
+  if constexpr (S == Statistic::CenteredSquares) {
+    compute_statistic<Statistic::MeanAndRstd>(ctx, ins, cur, s0, s1, cross_warp, shared_rows);
+    return;
+  } else if constexpr (S == Statistic::RootSumSquare) {
+    compute_statistic<Statistic::RootMeanSquare>(ctx, ins, cur, s0, s1, cross_warp, shared_rows);
+    return;
+  }
   const int cpg = ins.chunks_per_group;
   const int lpg = ins.lanes_per_group;
   if constexpr (S == Statistic::MeanAndRstd) {
@@ -537,14 +558,19 @@ __device__ __forceinline__ void compute_statistic(const Ctx& ctx, const Instruct
     for (int c = 0; c < CHUNKS; ++c) s0[c] *= inv_size;
     chunk_sums(ctx, cur, s1, [&](int c, float v) { return (v - s0[c]) * (v - s0[c]); });
     group_allreduce<SumOp>(s1, cpg, lpg, cross_warp);
+    if (statistic_of(ins.op) == Statistic::CenteredSquares) return;
 #pragma unroll
     for (int c = 0; c < CHUNKS; ++c) s1[c] = rsqrtf(s1[c] * inv_size + ins.attrs.a0);
   } else if constexpr (S == Statistic::RootMeanSquare) {
     chunk_sums(ctx, cur, s1, [](int, float v) { return v * v; });
     group_allreduce<SumOp>(s1, cpg, lpg, cross_warp);
     const float inv_size = 1.0f / ins.group_size;
+    const bool root_sum = statistic_of(ins.op) == Statistic::RootSumSquare;
 #pragma unroll
-    for (int c = 0; c < CHUNKS; ++c) s1[c] = rsqrtf(s1[c] * inv_size + ins.attrs.a0);
+    for (int c = 0; c < CHUNKS; ++c) {
+      s0[c] = root_sum ? sqrtf(s1[c]) : 0.0f;
+      s1[c] = root_sum ? maximum(s0[c], ins.attrs.a0) : rsqrtf(s1[c] * inv_size + ins.attrs.a0);
+    }
   } else if constexpr (S == Statistic::MaxAndLogSumExp) {
     chunk_extrema<MaxOp>(ctx, cur, s0);
     group_allreduce<MaxOp>(s0, cpg, lpg, cross_warp);
@@ -558,19 +584,6 @@ __device__ __forceinline__ void compute_statistic(const Ctx& ctx, const Instruct
   } else if constexpr (S == Statistic::Sum) {
     chunk_sums(ctx, cur, s0, [](int, float v) { return v; });
     group_allreduce<SumOp>(s0, cpg, lpg, cross_warp);
-  } else if constexpr (S == Statistic::CenteredSquares) {
-    chunk_sums(ctx, cur, s0, [](int, float v) { return v; });
-    group_allreduce<SumOp>(s0, cpg, lpg, cross_warp);
-    const float inv_size = 1.0f / ins.group_size;
-#pragma unroll
-    for (int c = 0; c < CHUNKS; ++c) s0[c] *= inv_size;
-    chunk_sums(ctx, cur, s1, [&](int c, float v) { return (v - s0[c]) * (v - s0[c]); });
-    group_allreduce<SumOp>(s1, cpg, lpg, cross_warp);
-  } else if constexpr (S == Statistic::RootSumSquare) {
-    chunk_sums(ctx, cur, s0, [](int, float v) { return v * v; });
-    group_allreduce<SumOp>(s0, cpg, lpg, cross_warp);
-#pragma unroll
-    for (int c = 0; c < CHUNKS; ++c) s0[c] = sqrtf(s0[c]), s1[c] = maximum(s0[c], ins.attrs.a0);
   } else if constexpr (S == Statistic::Max) {
     chunk_extrema<MaxOp>(ctx, cur, s0);
     group_allreduce<MaxOp>(s0, cpg, lpg, cross_warp);
@@ -580,18 +593,6 @@ __device__ __forceinline__ void compute_statistic(const Ctx& ctx, const Instruct
   }
 }
 
-#define FXFUSE_STATISTIC_CASE(name, F) \
-  case OP_##name:                      \
-    return F::statistic;
-__host__ __device__ constexpr Statistic statistic_of(uint8_t op) {
-  switch (op) {
-    FXFUSE_NORM_OPS(FXFUSE_STATISTIC_CASE)
-    FXFUSE_REDUCTION_OPS(FXFUSE_STATISTIC_CASE)
-    default:
-      return Statistic::Sum;
-  }
-}
-#undef FXFUSE_STATISTIC_CASE
 
 // One copy of each statistic's code per kernel, whichever op asks for it.
 template <typename Ctx, int CHUNKS, int VEC>
@@ -600,8 +601,10 @@ __device__ __forceinline__ void run_statistic(const Ctx& ctx, const Instruction&
                                               float* shared_rows) {
   switch (statistic_of(ins.op)) {
     case Statistic::MeanAndRstd:
+    case Statistic::CenteredSquares:
       return compute_statistic<Statistic::MeanAndRstd>(ctx, ins, cur, s0, s1, cross_warp, shared_rows);
     case Statistic::RootMeanSquare:
+    case Statistic::RootSumSquare:
       return compute_statistic<Statistic::RootMeanSquare>(ctx, ins, cur, s0, s1, cross_warp, shared_rows);
     case Statistic::MaxAndLogSumExp:
       return compute_statistic<Statistic::MaxAndLogSumExp>(ctx, ins, cur, s0, s1, cross_warp, shared_rows);
@@ -611,10 +614,6 @@ __device__ __forceinline__ void run_statistic(const Ctx& ctx, const Instruction&
       return compute_statistic<Statistic::Max>(ctx, ins, cur, s0, s1, cross_warp, shared_rows);
     case Statistic::Min:
       return compute_statistic<Statistic::Min>(ctx, ins, cur, s0, s1, cross_warp, shared_rows);
-    case Statistic::CenteredSquares:
-      return compute_statistic<Statistic::CenteredSquares>(ctx, ins, cur, s0, s1, cross_warp, shared_rows);
-    case Statistic::RootSumSquare:
-      return compute_statistic<Statistic::RootSumSquare>(ctx, ins, cur, s0, s1, cross_warp, shared_rows);
   }
 }
 
@@ -646,19 +645,33 @@ __device__ __forceinline__ void apply_norm(const Ctx& ctx, const Instruction& in
   else apply_norm_chunks<false, F>(ctx, ins, cur, s0, s1);
 }
 
+// A row reduction's per-row result from its statistic.
+__device__ __forceinline__ float reduction_result(const Instruction& ins, float s0, float s1, int features) {
+  switch (ins.op) {
+#define FXFUSE_RESULT_CASE(name, F) \
+  case OP_##name:                   \
+    return F::result(s0, s1, features, ins.attrs);
+    FXFUSE_REDUCTION_OPS(FXFUSE_RESULT_CASE)
+#undef FXFUSE_RESULT_CASE
+    default:
+      return 0.0f;
+  }
+}
+
+template <int CHUNKS, int VEC>
+__device__ __forceinline__ void fill_with_result(Values<CHUNKS, VEC>& cur, float result) {
+#pragma unroll
+  for (int c = 0; c < CHUNKS; ++c)
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) cur[c][j] = result;
+}
+
 // A norm's per-element apply, or a row reduction's per-row result in every element (so later pointwise ops
 // broadcast it for free), from the statistic (s0, s1) of each chunk's group.
 template <typename Ctx, int CHUNKS, int VEC>
 __device__ __forceinline__ void apply_row_op(const Ctx& ctx, const Instruction& ins, Values<CHUNKS, VEC>& cur,
                                              const float (&s0)[CHUNKS], const float (&s1)[CHUNKS]) {
-  float result = 0.0f;
   switch (ins.op) {
-#define FXFUSE_RESULT_CASE(name, F)                                 \
-  case OP_##name:                                                   \
-    result = F::result(s0[0], s1[0], ctx.prog.features, ins.attrs); \
-    break;
-    FXFUSE_REDUCTION_OPS(FXFUSE_RESULT_CASE)
-#undef FXFUSE_RESULT_CASE
 #define FXFUSE_NORM_APPLY_CASE(name, F)                 \
   case OP_##name:                                       \
     apply_norm<F>(ctx, ins, cur, s0, s1);               \
@@ -666,12 +679,8 @@ __device__ __forceinline__ void apply_row_op(const Ctx& ctx, const Instruction& 
     FXFUSE_NORM_OPS(FXFUSE_NORM_APPLY_CASE)
 #undef FXFUSE_NORM_APPLY_CASE
     default:
-      break;
+      fill_with_result(cur, reduction_result(ins, s0[0], s1[0], ctx.prog.features));
   }
-#pragma unroll
-  for (int c = 0; c < CHUNKS; ++c)
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) cur[c][j] = result;
 }
 
 // A norm or a row reduction: its statistic (one copy of each statistic's code per kernel), then its apply.
