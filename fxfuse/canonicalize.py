@@ -1300,12 +1300,16 @@ def _check_eager_takes(target, is_method: bool, args: tuple, kwargs: dict) -> No
         raise TypeError(f"eager takes no such call ({errors[0]})")
 
 
+# A node's (args, kwargs) before `_redirect_inplace_uses` first changed them (`restore_readers_outside_regions`).
+_ARGUMENTS_BEFORE_REDIRECT = "fxfuse_arguments_before_redirect"
+
+
 def _redirect_inplace_uses(graph: fx.Graph, canon: dict[fx.Node, Canonical]) -> None:
     """After `t.relu_()`, later readers of `t` read the in-place node instead: same tensor, explicit edge; so do later
     readers of its other names, earlier in-place ops on it and whole views of it (`same_tensor`: `t[:, :]`, eval-mode
     dropout, nn.Identity), whose shape and elements are `t`'s. In graph order, so that each in-place op on a tensor
     takes its readers over from the one before it (`t.mul_(2)` then `t.relu_()`: what reads `t` after both reads the
-    relu_)."""
+    relu_). Each reader keeps its first arguments, for `restore_readers_outside_regions`."""
     position = {node: i for i, node in enumerate(graph.nodes)}
     first_name: dict[fx.Node, fx.Node] = {}  # a later name of a tensor -> the node that first named it
     names: dict[fx.Node, list] = {}          # that first node -> its later names so far
@@ -1321,12 +1325,30 @@ def _redirect_inplace_uses(graph: fx.Graph, canon: dict[fx.Node, Canonical]) -> 
             for name in (tensor, *names.get(tensor, ())):
                 for user in list(name.users):
                     if user is not node and position[user] > position[node]:
+                        user.meta.setdefault(_ARGUMENTS_BEFORE_REDIRECT, (user.args, user.kwargs))
                         user.replace_input_with(name, node)
         else:
             continue
         tensor = first_name.get(target, target)
         first_name[node] = tensor
         names.setdefault(tensor, []).append(node)
+
+
+def restore_readers_outside_regions(graph: fx.Graph, before_rewrite: set) -> None:
+    """After the rewrite, a reader that `_redirect_inplace_uses` redirected and no region took in reads again each name
+    it read in eager, where that name and the in-place node (`before_rewrite`'s nodes) are both still in the graph: the
+    same elements, but the object eager has (`v = x[:, :]; v.mul_(2); return x` returns `x`, not the view that mul_
+    returns). A name that a region replaced stays read through the in-place node or the fused op."""
+    unfused = before_rewrite & set(graph.nodes)
+    for user in graph.nodes:
+        before = user.meta.pop(_ARGUMENTS_BEFORE_REDIRECT, None)
+        if before is None:
+            continue
+        now = []  # the nodes it reads now, in the order of `before`'s (a redirect swaps nodes, not the structure)
+        fx.node.map_arg((user.args, user.kwargs), now.append)
+        now = iter(now)
+        user.args, user.kwargs = fx.node.map_arg(
+            before, lambda read: read if (current := next(now)) in unfused and read in unfused else current)
 
 
 def _refuse_inplace_on_aliases(graph: fx.Graph, canon: dict[fx.Node, Canonical]) -> None:

@@ -19,7 +19,8 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .canonicalize import LINEAR, Attr, augmented_assignment, canonicalize, has_call_hooks, hooks_of
+from .canonicalize import (LINEAR, Attr, augmented_assignment, canonicalize, has_call_hooks, hooks_of,
+                           restore_readers_outside_regions)
 from .epilogue import EPILOGUE_OPS, POINTWISE
 from .library import gemm_epilogue, gemm_epilogue_train
 from .match import Facts, Region, find_region, module_tensor, module_tensor_path
@@ -611,6 +612,7 @@ def fuse_graph(gm: fx.GraphModule, where: str = "", training: bool = False, shap
     """
     report = Report()
     canon = canonicalize(gm)
+    canonical_graph = set(gm.graph.nodes)
     _drop_unused_epilogue_ops(gm, canon, shapes_guarded)
     facts = Facts(gm, differentiated=training or not shapes_guarded, inputs_guarded=shapes_guarded)
     facts.position = {node: i for i, node in enumerate(gm.graph.nodes)}
@@ -634,6 +636,7 @@ def fuse_graph(gm: fx.GraphModule, where: str = "", training: bool = False, shap
     for node, c in canon.items():
         if c.op == LINEAR and c.problem and node in facts.position:
             report.near_misses.append(MissRow(prefix + location_of(node), node.name, c.problem))
+    restore_readers_outside_regions(gm.graph, canonical_graph)
     gm.graph.lint()
     gm.recompile()
     return report

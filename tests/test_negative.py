@@ -580,6 +580,39 @@ def test_in_place_op_on_a_whole_view_of_more_dims_than_the_input_has_raises_as_e
         optimized(torch.randn(IN))
 
 
+def scale_gemm_input_through_a_whole_view(m, x, y):
+    h = torch.relu(m.fc(x))
+    v = x[:, :]
+    v.mul_(2)
+    return x, h
+
+
+def scale_other_input_through_a_whole_view(m, x, y):
+    h = torch.relu(m.fc(x))
+    v = y[:, :]
+    v.mul_(2)
+    return y, h + y
+
+
+@pytest.mark.parametrize("with_examples", [True, False], ids=["example-inputs", "no-example-inputs"])
+@pytest.mark.parametrize("epilogue", [scale_gemm_input_through_a_whole_view, scale_other_input_through_a_whole_view])
+def test_in_place_op_on_a_whole_view_outside_the_region_leaves_its_readers_as_eager(epilogue, with_examples):
+    """The readers of a tensor changed in place through a whole view read the in-place op while matching; those the
+    region does not take in read the tensor itself again, as in eager: the model returns its argument, changed."""
+    model = GemmThen(epilogue).eval()
+    optimized = fxfuse.optimize(model, (rows(), torch.randn(BATCH, OUT)) if with_examples else None)
+    assert fused_programs(optimized) == ["relu(%0)"]
+    x, y = rows(), torch.randn(BATCH, OUT)
+    eager_x, eager_y = x.clone(), y.clone()
+    with torch.no_grad():
+        expected = model(eager_x, eager_y)
+        actual = optimized(x, y)
+    changed = x if epilogue is scale_gemm_input_through_a_whole_view else y
+    assert actual[0] is changed
+    assert_close_report(actual[1], expected[1])
+    torch.testing.assert_close((x, y), (eager_x, eager_y), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("epilogue", [lambda m, x, y: (lambda h: (h[:, :4].mul_(2), h)[1])(m.fc(x)),
                                       lambda m, x, y: (lambda h: (h.view(-1).add_(1), h)[1])(m.fc(x)),
                                       lambda m, x, y: (lambda h: (h.t().relu_(), h)[1])(m.fc(x))],
