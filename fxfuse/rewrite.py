@@ -19,9 +19,9 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .canonicalize import (LINEAR, Attr, augmented_assignment, canonicalize, has_call_hooks, hooks_of,
+from .canonicalize import (IDENTITY, LINEAR, Attr, augmented_assignment, canonicalize, has_call_hooks, hooks_of,
                            restore_readers_outside_regions)
-from .epilogue import EPILOGUE_OPS, POINTWISE
+from .epilogue import EPILOGUE_OPS, NORM, POINTWISE, REDUCTION
 from .library import gemm_epilogue, gemm_epilogue_train
 from .match import Facts, Region, find_region, module_tensor, module_tensor_path
 from .program import Param
@@ -234,9 +234,9 @@ class NotOptimizedForThisCall(RuntimeError):
     its model's own forward for that call (api.FusedGraphModule), which computes, or raises, what eager does."""
 
 
-def _rank_message(tensor: torch.Tensor, rank: int, what: str) -> str:
+def _rank_message(got: int, rank: int, what: str) -> str:
     return (f"fxfuse: this part of the model was optimized for a {rank}-D {what}, for which its fused op computes "
-            f"what its ops do; got a {tensor.dim()}-D one: run fxfuse.optimize() with example inputs of these ranks "
+            f"what its ops do; got a {got}-D one: run fxfuse.optimize() with example inputs of these ranks "
             "(or use torch.compile(model, backend='fxfuse'))")
 
 
@@ -246,7 +246,7 @@ def require_rank(tensor: torch.Tensor, rank: int, what: str) -> None:
     forward argument (a 3-D one would make eager's matmul batched): eager computes something else for another
     rank, or raises. (Dynamo guards ranks itself.)"""
     if tensor.dim() != rank:
-        raise RuntimeError(_rank_message(tensor, rank, what))
+        raise RuntimeError(_rank_message(tensor.dim(), rank, what))
 
 
 def require_traced_as_tensor(value, name: str) -> None:
@@ -265,7 +265,16 @@ def require_argument_rank(value, rank: int, what: str) -> None:
     optimized model runs its model's forward instead (NotOptimizedForThisCall). Anything but a tensor is left to
     require_tensor, which raises eager's error."""
     if isinstance(value, torch.Tensor) and value.dim() != rank:
-        raise NotOptimizedForThisCall(_rank_message(value, rank, what))
+        raise NotOptimizedForThisCall(_rank_message(value.dim(), rank, what))
+
+
+def require_broadcast_rank(values: tuple, least: int, rank: int, what: str) -> None:
+    """require_argument_rank for a value that the graph makes of forward arguments by ops that keep their rank, with
+    module tensors of up to `least` dims (`self.fc(x + 1)`): it has the most dims of them, which, where not `rank`,
+    runs the model's forward instead (NotOptimizedForThisCall). Anything but a tensor has no dims to broadcast."""
+    made = max([least, *(value.dim() for value in values if isinstance(value, torch.Tensor))])
+    if made != rank:
+        raise NotOptimizedForThisCall(_rank_message(made, rank, what))
 
 
 def require_features(x, weight: torch.Tensor, features: int, dim: int, what: str) -> None:
@@ -390,7 +399,7 @@ def _maybe_number(node, shapes_guarded: bool) -> bool:
 
 
 # The checks optimize()'s graphs run before any op: where one fails, the optimized model runs its model's forward.
-FIRST_CHECKS = (require_traced_as_tensor, require_argument_rank, require_argument_dtype)
+FIRST_CHECKS = (require_traced_as_tensor, require_argument_rank, require_broadcast_rank, require_argument_dtype)
 # What a rewritten graph calls beside its fused ops.
 GRAPH_HELPERS = (require_tensor, require_param, require_eval_mode, require_settings, require_matrix, require_rank,
                  require_features, require_out_without_grad, require_rank_at_least, require_dtype, *FIRST_CHECKS,
@@ -405,18 +414,55 @@ def _is_argument(value) -> bool:
     return isinstance(value, fx.Node) and value.op == "placeholder"
 
 
-def _argument_ranks_that_give_x_its_rank(graph: fx.Graph, x, x_rank: int) -> list[tuple[fx.Node, int]]:
-    """(forward argument, rank) pairs that, checked at a call, make x of `x_rank` as when traced: x's own where it is
-    an argument; where x was made inside the graph and the example inputs gave it a rank, every tensor argument's
-    example rank (the ranks of what a graph makes follow from its inputs' ranks, but for ops such as squeeze(),
-    which require_rank still catches); else none."""
+def _ranks_following_arguments(gm: fx.GraphModule, canon: dict) -> dict[fx.Node, tuple[tuple, int]]:
+    """The values whose rank follows from forward arguments' ranks alone, whatever the call: value -> (those arguments,
+    the most dims of the module tensors broadcast in on the way); the value has the most dims of them all. These are
+    values made of arguments, numbers and module tensors by ops that keep their value's rank: pointwise ops, no-ops,
+    norms, reductions that keep the dim, and GEMMs with a module weight (an x of 1 dim or more keeps its rank)."""
+    following = {}
+    for node in gm.graph.nodes:
+        c = canon.get(node)
+        if node.op == "placeholder":
+            following[node] = ((node,), 0)
+            continue
+        if c is None or c.problem:
+            continue
+        spec = EPILOGUE_OPS.get(c.op)
+        if c.op == LINEAR and module_tensor_path(c.operands[1]) is not None:
+            operands = (c.operands[0], *c.operands[2:])  # (the weight does not broadcast with x)
+        elif c.op == IDENTITY or (spec is not None and spec.kind in (POINTWISE, NORM)) or \
+                (spec is not None and spec.kind == REDUCTION and c.attrs.get("keepdim") is True and
+                 c.op not in ("max_dim", "min_dim")):  # (those two make (values, indices))
+            operands = c.operands
+        else:
+            continue
+        values = [o for o in operands if isinstance(o, fx.Node) and module_tensor_path(o) is None]
+        tensors = [module_tensor(gm, path) if (path := module_tensor_path(o)) is not None else None
+                   for o in operands if isinstance(o, (fx.Node, Attr)) and o not in values]
+        if values and all(value in following for value in values) and all(t is not None for t in tensors):
+            arguments = tuple(dict.fromkeys(argument for value in values for argument in following[value][0]))
+            most = max([*(following[value][1] for value in values), *(tensor.dim() for tensor in tensors)])
+            following[node] = (arguments, most)
+    return following
+
+
+def _first_rank_checks(graph: fx.Graph, x, x_rank: int, following: dict) -> list[tuple]:
+    """The checks (function, args) that, before any op, make x of `x_rank` as when traced, or hand the call to the
+    model's forward: x's own rank where it is a forward argument; where x was made inside the graph and the example
+    inputs gave it a rank, every tensor argument's example rank (the ranks of what a graph makes follow from its
+    inputs' ranks, but for ops such as squeeze(), which require_rank still catches); without them, the rank that the
+    arguments x's rank follows from make (`following`); else none."""
     if _is_argument(x):
-        return [(x, x_rank)]
+        return [(require_argument_rank, (x, x_rank, "input"))]
     arguments = list(itertools.takewhile(lambda node: node.op == "placeholder", graph.nodes))  # (the graph's first)
-    if not isinstance(x, fx.Node) or not isinstance(x.meta.get("val"), torch.Tensor) or \
-            any("val" not in node.meta for node in arguments):
-        return []
-    return [(node, node.meta["val"].dim()) for node in arguments if isinstance(node.meta["val"], torch.Tensor)]
+    if isinstance(x, fx.Node) and isinstance(x.meta.get("val"), torch.Tensor) and \
+            all("val" in node.meta for node in arguments):
+        return [(require_argument_rank, (node, node.meta["val"].dim(), "input"))
+                for node in arguments if isinstance(node.meta["val"], torch.Tensor)]
+    if x in following:
+        made_of, most = following[x]
+        return [(require_broadcast_rank, (made_of, most, x_rank, "input"))]
+    return []
 
 
 def _check_first(graph: fx.Graph, position: dict, check, args: tuple) -> None:
@@ -435,7 +481,8 @@ def _check_first(graph: fx.Graph, position: dict, check, args: tuple) -> None:
     position[node] = (before + position[first]) / 2
 
 
-def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool, shapes_guarded: bool) -> fx.Node:
+def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool, shapes_guarded: bool,
+             following: dict[fx.Node, tuple[tuple, int]]) -> fx.Node:
     graph = gm.graph
     # After the region's last op, not after a stand-in that nothing reads and that reads only the region (the unread
     # indices of `torch.max(h, 1)`, which fx may record after what reads the values: `r = h.max(1); y = r[0]...; r[1]`)
@@ -478,8 +525,8 @@ def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool,
         # A forward argument of another rank at a call runs the model's own forward, checked before any op; the check
         # here stays (an op between may change the argument's rank in place, `x.unsqueeze_(0)`).
         if region.x_rank is not None and not shapes_guarded:
-            for argument, rank in _argument_ranks_that_give_x_its_rank(graph, region.x, region.x_rank):
-                _check_first(graph, position, require_argument_rank, (argument, rank, "input"))
+            for check, args in _first_rank_checks(graph, region.x, region.x_rank, following):
+                _check_first(graph, position, check, args)
             graph.call_function(require_rank, (region.x, region.x_rank, "input"))
         if region.x_rank_at_least is not None and (region.x_rank or 0) < region.x_rank_at_least and not shapes_guarded:
             graph.call_function(require_rank_at_least, (region.x, region.x_rank_at_least, "input"))
@@ -616,6 +663,7 @@ def fuse_graph(gm: fx.GraphModule, where: str = "", training: bool = False, shap
     _drop_unused_epilogue_ops(gm, canon, shapes_guarded)
     facts = Facts(gm, differentiated=training or not shapes_guarded, inputs_guarded=shapes_guarded)
     facts.position = {node: i for i, node in enumerate(gm.graph.nodes)}
+    following = {} if shapes_guarded else _ranks_following_arguments(gm, canon)
     prefix = f"{where}." if where else ""
     anchors = [n for n, c in canon.items() if c.op == LINEAR and c.problem is None]
     for anchor in anchors:
@@ -628,8 +676,10 @@ def fuse_graph(gm: fx.GraphModule, where: str = "", training: bool = False, shap
         if region is None:
             continue
         replaced = [m.name for m in sorted(region.members, key=facts.position.get)]
-        fused = _replace(gm, region, facts.position, training, shapes_guarded)
+        fused = _replace(gm, region, facts.position, training, shapes_guarded, following)
         facts.replaced[region.output] = fused
+        if region.output in following:  # (the fused op's value is the output's: the same rank)
+            following[fused] = following[region.output]
         logger.info("fused %s at %s: %s", ", ".join(replaced), location, region.program)
         report.fused.append(FusedRow(f"{location} ({anchor.name})", replaced, str(region.program), fused.name,
                                      "gemm_epilogue_train" if training else "gemm_epilogue"))

@@ -2211,6 +2211,35 @@ def test_a_value_of_another_rank_made_inside_the_graph_computes_eagers_result(ep
         assert str(raised.value) == str(_raised_by(model, torch.randn(IN)))
 
 
+@pytest.mark.parametrize("model, second", [
+    (GemmThen(lambda m, x, y: F.group_norm(m.fc(x + 1), 4)), None),
+    (GemmThen(lambda m, x, y: m.fc(torch.relu(x) * m.scale).softmax(1), scale=torch.rand(IN)), None),
+    (GemmThen(lambda m, x, y: m.fc(x * x.sum(-1, keepdim=True)).amax(1)), None),
+    (GemmThen(lambda m, x, y: F.group_norm(m.fc(x + y), 4)), torch.randn(IN)),
+    (GemmThen(lambda m, x, y: F.group_norm(m.fc(x + y), 4)), torch.randn(2, 1, IN)),
+    (GemmThen(lambda m, x, y: m.fc(x.flatten(1)).amax(1)), None),
+    (TwoBlocks(lambda h: F.group_norm(h, 4)), None),
+], ids=["add", "pointwise-with-a-buffer", "keepdim-reduction", "two-arguments", "two-arguments-3d", "flatten",
+        "two-blocks"])
+def test_without_example_inputs_a_value_made_inside_the_graph_of_another_rank_gives_eagers_result(model, second):
+    """Without example inputs, the rank of a fused op's x that pointwise ops, module tensors of fewer dims or GEMMs
+    make of forward arguments is the most of theirs: another rank runs the model's own forward (it raised fxfuse's
+    error, where eager computes or raises its own); `x.flatten(1)` is 2-D for any input that it takes."""
+    model = model.eval()
+    optimized = fxfuse.optimize(model)
+    assert fused_op_count(optimized) == (2 if isinstance(model, TwoBlocks) else 1)
+    with torch.no_grad():
+        for x in (rows(), torch.randn(2, 8, IN), torch.randn(2, 4, 5, IN), torch.randn(IN)):
+            inputs = (x,) if second is None else (x, second)
+            try:
+                expected = model(*inputs)
+            except Exception as error:
+                with pytest.raises(type(error), match=re.escape(str(error))):
+                    optimized(*inputs)
+                continue
+            assert_close_report(optimized(*inputs), expected)
+
+
 def _raised_by(function, *args) -> Exception:
     try:
         function(*args)
