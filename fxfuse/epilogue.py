@@ -51,6 +51,9 @@ class EpilogueOp:
     # result "y"; () is the value itself, None leaves such an op out of the region. The generic tests hold each to
     # the reference, in value, gradient and dtype under autocast.
     over_one_feature: tuple[tuple[str, tuple], ...] | None = None
+    # Autocast runs it in its lower dtype on the CPU and CUDA (their lower_precision_fp lists: prelu), casting its
+    # floating operands but float64 ones to that dtype, a param included.
+    autocast_lower_precision: bool = False
 
     @property
     def is_binary(self) -> bool:
@@ -63,7 +66,7 @@ EPILOGUE_OPS: dict[str, EpilogueOp] = {}
 
 
 def epilogue_op(kind: str, *, samples=({},), feature_operands=(), feature_dim_attr=None, positive_domain=False,
-                takes_numbers=True, over_one_feature=None, gradient_free=False):
+                takes_numbers=True, over_one_feature=None, gradient_free=False, autocast_lower_precision=False):
     """Register a reference function as a canonical epilogue op named after the function."""
 
     def register(fn):
@@ -74,7 +77,8 @@ def epilogue_op(kind: str, *, samples=({},), feature_operands=(), feature_dim_at
             name=fn.__name__, kind=kind, operands=operands, attrs=attrs, reference=fn,
             feature_operands=frozenset(feature_operands), samples=tuple(samples),
             feature_dim_attr=feature_dim_attr, positive_domain=positive_domain, takes_numbers=takes_numbers,
-            over_one_feature=over_one_feature, gradient_free=gradient_free)
+            over_one_feature=over_one_feature, gradient_free=gradient_free,
+            autocast_lower_precision=autocast_lower_precision)
         return fn
 
     return register
@@ -286,7 +290,7 @@ def softshrink(x, *, lambd):
     return F.softshrink(x, lambd)
 
 
-@epilogue_op(POINTWISE, feature_operands=("weight",))
+@epilogue_op(POINTWISE, feature_operands=("weight",), autocast_lower_precision=True)
 def prelu(x, weight):
     # x where x > 0, else weight * x: one slope, or one per channel (dim 1, the features of a 2-D value), as eager.
     return torch.prelu(x, weight)

@@ -40,7 +40,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .program import run_program, run_reference
+from .epilogue import EPILOGUE_OPS
+from .program import Param, Program, run_program, run_reference
 
 logger = logging.getLogger("fxfuse")
 
@@ -253,10 +254,23 @@ _autocast_result_dtypes: dict = {}
 
 
 def _in_lower_precision(t, device_type, dtype):
-    """What autocast makes of a GEMM operand for `dtype`: a floating tensor on its device, but float64, cast."""
+    """What autocast makes of an operand of the GEMM (or of an op it runs in its lower dtype, prelu) for `dtype`: a
+    floating tensor on its device, but float64, cast."""
     if t is None or t.device.type != device_type or not t.is_floating_point() or t.dtype == torch.float64:
         return t
     return t.to(dtype)
+
+
+@functools.lru_cache(maxsize=4096)
+def _params_autocast_casts(program: str) -> frozenset[int]:
+    """The params that eager's ops cast under autocast themselves: those read by ops that autocast runs in its lower
+    dtype only (prelu's slopes); a param that another op reads too (an add promotes) is not."""
+    readers: dict[int, list[str]] = {}
+    for instruction in Program.parse(program).instructions:
+        for operand in instruction.operands:
+            if isinstance(operand, Param):
+                readers.setdefault(operand.index, []).append(instruction.op)
+    return frozenset(k for k, ops in readers.items() if all(EPILOGUE_OPS[op].autocast_lower_precision for op in ops))
 
 
 def _eager_result_dtype(program, x, weight, bias, params, device_type, dtype) -> torch.dtype:
@@ -295,12 +309,15 @@ def _autocast_kernel(op, reference, device_type: str):
     the epilogue run fused in that dtype, as eager's linear would (x, weight and bias cast), and the result comes
     back in the dtype the program's ops give it under autocast (bf16 after a GELU; fp32 after an op that CUDA's
     autocast runs in fp32, such as group_norm). A param in another dtype (an fp32 norm affine, an fp32 residual)
-    is not rounded to fit the kernels: the program's ops then run unfused, under autocast as eager's did. The
-    casts are autograd's to record, as autocast's own are."""
+    is not rounded to fit the kernels: the program's ops then run unfused, under autocast as eager's did; one that
+    eager's op casts under autocast (prelu's slopes) is cast so first. The casts are autograd's to record, as
+    autocast's own are."""
     autocast_key = getattr(torch._C.DispatchKey, "Autocast" + torch._C._dispatch_key_for_device(device_type))
 
     def run(x, weight, bias, params, program):
         dtype = torch.get_autocast_dtype(device_type)
+        cast = _params_autocast_casts(program)
+        params = [_in_lower_precision(p, device_type, dtype) if k in cast else p for k, p in enumerate(params)]
         if any(p.device.type != device_type or p.dtype != dtype for p in params):
             return reference(x, weight, bias, params, program)
         result_dtype = _eager_result_dtype(program, x, weight, bias, params, device_type, dtype)

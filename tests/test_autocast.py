@@ -2,8 +2,8 @@
 dtype (or it has none), the fused op runs its GEMM and epilogue in that dtype, as eager's linear does, and returns
 the dtype eager's ops would (bf16 after a GELU; fp32 after an op that CUDA's autocast runs in fp32); a param in
 another dtype (an fp32 norm affine, an fp32 residual) is never rounded to fit: the region's ops then run unfused,
-under autocast, as eager's. Gradients come back in the weights' dtype. A region never spans the start or end of
-an autocast block.
+under autocast, as eager's; one that autocast casts itself (prelu's slopes) is cast as eager's. Gradients come back
+in the weights' dtype. A region never spans the start or end of an autocast block.
 """
 import contextlib
 
@@ -26,6 +26,7 @@ class LinearThen(nn.Module):
         self.fc = nn.Linear(in_features, out_features)
         self.shift = nn.Parameter(torch.randn(out_features) * 100.0)
         self.norm = nn.GroupNorm(4, out_features)
+        self.act = nn.PReLU(out_features, init=-0.25)
         self.tail = tail
 
     def forward(self, x):
@@ -40,7 +41,8 @@ TAILS = {
     "addmm then relu": (lambda m, x: torch.relu(torch.addmm(m.fc.bias, x, m.fc.weight.t())), True),
     "an fp32 residual": (lambda m, x: F.silu(m.fc(x)) + m.shift, False),  # promoted to fp32, never rounded
     "group_norm's fp32 affine": (lambda m, x: F.hardtanh(m.norm(m.fc(x)), -2.0, 2.0), False),
-    "prelu's fp32 slopes": (lambda m, x: F.prelu(m.fc(x), m.norm.weight * -0.25), False),  # autocast casts both
+    "prelu's fp32 slopes": (lambda m, x: F.prelu(m.fc(x), m.norm.weight * -0.25), True),  # autocast casts both
+    "nn.PReLU's fp32 weight": (lambda m, x: m.act(m.fc(x)), True),
 }
 
 
@@ -102,6 +104,16 @@ def test_prelu_of_a_bf16_model_with_slopes_per_token_under_autocast_is_eagers():
     optimized = fxfuse.optimize(model, (x,))
     assert fused_op_count(optimized) == 1
     _check_under_autocast(model, optimized, x, "cpu", fused_below=True)
+
+
+@pytest.mark.parametrize("name", ["prelu's fp32 slopes", "nn.PReLU's fp32 weight"])
+def test_prelu_of_fp32_slopes_under_autocast_is_eagers_bit_for_bit(name):
+    """Autocast runs prelu in its lower dtype (its lower_precision_fp lists, CPU and CUDA), casting the fp32 slopes:
+    the fused op takes them cast so, and on the CPU computes eager's bf16 result exactly."""
+    model, x = _model(name, "cpu", "eval")
+    optimized = fxfuse.optimize(model, (x,))
+    actual, expected = _check_under_autocast(model, optimized, x, "cpu", fused_below=True)
+    assert actual.dtype == torch.bfloat16 and torch.equal(actual, expected)
 
 
 def test_an_fp32_residual_keeps_eagers_precision():
