@@ -54,6 +54,9 @@ class EpilogueOp:
     # Autocast runs it in its lower dtype on the CPU and CUDA (their lower_precision_fp lists: prelu), casting its
     # floating operands but float64 ones to that dtype, a param included.
     autocast_lower_precision: bool = False
+    # Raises for a tensor operand of another dtype than its value's, where binary ops promote (prelu: "Type promoting
+    # not supported"; outside autocast, which casts prelu's operands to one dtype).
+    raises_for_another_dtype: bool = False
 
     @property
     def is_binary(self) -> bool:
@@ -66,7 +69,8 @@ EPILOGUE_OPS: dict[str, EpilogueOp] = {}
 
 
 def epilogue_op(kind: str, *, samples=({},), feature_operands=(), feature_dim_attr=None, positive_domain=False,
-                takes_numbers=True, over_one_feature=None, gradient_free=False, autocast_lower_precision=False):
+                takes_numbers=True, over_one_feature=None, gradient_free=False, autocast_lower_precision=False,
+                raises_for_another_dtype=False):
     """Register a reference function as a canonical epilogue op named after the function."""
 
     def register(fn):
@@ -78,7 +82,7 @@ def epilogue_op(kind: str, *, samples=({},), feature_operands=(), feature_dim_at
             feature_operands=frozenset(feature_operands), samples=tuple(samples),
             feature_dim_attr=feature_dim_attr, positive_domain=positive_domain, takes_numbers=takes_numbers,
             over_one_feature=over_one_feature, gradient_free=gradient_free,
-            autocast_lower_precision=autocast_lower_precision)
+            autocast_lower_precision=autocast_lower_precision, raises_for_another_dtype=raises_for_another_dtype)
         return fn
 
     return register
@@ -290,7 +294,7 @@ def softshrink(x, *, lambd):
     return F.softshrink(x, lambd)
 
 
-@epilogue_op(POINTWISE, feature_operands=("weight",), autocast_lower_precision=True)
+@epilogue_op(POINTWISE, feature_operands=("weight",), autocast_lower_precision=True, raises_for_another_dtype=True)
 def prelu(x, weight):
     # x where x > 0, else weight * x: one slope, or one per channel (dim 1, the features of a 2-D value), as eager.
     return torch.prelu(x, weight)

@@ -264,10 +264,12 @@ class _Growth:
                     stack.append(source)
         return None
 
-    def outside_operand_problem(self, operand, dtype, in_place: bool = False, promotes: bool = True) -> str | None:
+    def outside_operand_problem(self, operand, dtype, in_place: bool = False, promotes: bool = True,
+                                raised_by: str | None = None) -> str | None:
         """Why `operand`, a tensor from outside the region, can't be a param of its fused op, or None. `in_place`:
         it is an operand of an in-place op, whose value keeps its dtype in eager (`h += b64` stays float32);
-        `promotes`: its op promotes its operands' dtypes, as binary ops do (prelu and the norms raise instead)."""
+        `promotes`: its op promotes its operands' dtypes, as binary ops do; `raised_by`: the op, which raises for
+        another dtype instead (prelu)."""
         if isinstance(operand, fx.Node):
             through = self.depends_on_region(operand)
             if through is not None:
@@ -289,6 +291,7 @@ class _Growth:
             promoted = promotes and not in_place and \
                 torch.result_type(value, torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")) != dtype
             effect = ("eager would promote the result" if promoted
+                      else f"eager's {raised_by} raises for a tensor of another dtype" if raised_by is not None
                       else "the fused op takes params in the GEMM's dtype only")
             return (f"operand {describe(operand)} is {_dtype_name(tensor.dtype)} while the GEMM is "
                     f"{_dtype_name(dtype)} ({effect})")
@@ -403,9 +406,10 @@ class _Growth:
                     return problem
                 operands.append(number)
             elif isinstance(operand, (fx.Node, Attr)):
-                promotes = c.op not in EPILOGUE_OPS or EPILOGUE_OPS[c.op].is_binary
-                problem = self.outside_operand_problem(operand, self.dtype, in_place=mutated is not None,
-                                                       promotes=promotes)
+                spec = EPILOGUE_OPS.get(c.op)
+                problem = self.outside_operand_problem(
+                    operand, self.dtype, in_place=mutated is not None, promotes=spec is None or spec.is_binary,
+                    raised_by=c.op if spec is not None and spec.raises_for_another_dtype else None)
                 if problem:
                     return problem
                 operands.append(self.param(operand))

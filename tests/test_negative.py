@@ -310,11 +310,24 @@ def test_an_operand_of_another_dtype_says_whether_eager_promotes(operand, promot
     assert_reason(optimized, f"while the GEMM is float32 ({effect})")
 
 
-def test_prelus_float64_slopes_do_not_say_eager_promotes():
-    """eager's prelu raises for slopes of another dtype; explain() said eager would promote the result."""
-    model = GemmThen(lambda m, x, y: F.prelu(m.fc(x), m.w), w=nn.Parameter(torch.rand(OUT, dtype=torch.float64)))
-    optimized = fxfuse.optimize(model, (rows(),))
-    assert_reason(optimized, "while the GEMM is float32 (the fused op takes params in the GEMM's dtype only)")
+@pytest.mark.parametrize("with_examples", [True, False], ids=["example-inputs", "no-example-inputs"])
+@pytest.mark.parametrize("slopes_dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("model", [
+    lambda dtype: GemmThen(lambda m, x, y: F.prelu(m.fc(x), m.w), w=nn.Parameter(torch.rand(OUT, dtype=dtype))),
+    lambda dtype: GemmThen(lambda m, x, y: m.act(m.fc(x)), act=nn.PReLU(OUT).to(dtype)),
+], ids=["F.prelu", "nn.PReLU"])
+def test_prelus_slopes_of_another_dtype_say_eager_raises(model, slopes_dtype, with_examples):
+    """eager's prelu raises for slopes of another dtype ('Type promoting not supported'): explain() says so (it said
+    eager would promote the result, then that the fused op takes params in the GEMM's dtype only), and the optimized
+    model raises eager's error."""
+    model = model(slopes_dtype).eval()
+    optimized = fxfuse.optimize(model, (rows(),) if with_examples else None)
+    assert fused_op_count(optimized) == 0
+    assert_reason(optimized, f"is {str(slopes_dtype).removeprefix('torch.')} while the GEMM is float32 (eager's prelu "
+                             "raises for a tensor of another dtype)")
+    x = rows()
+    with pytest.raises(RuntimeError, match=re.escape(str(_raised_by(model, x)))):
+        optimized(x)
 
 
 def test_an_in_place_operand_of_another_dtype_does_not_say_eager_promotes():
