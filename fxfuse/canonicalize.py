@@ -60,6 +60,23 @@ class Canonical:
 
 
 @dataclass(frozen=True)
+class OperandOf:
+    """In a Canonical's `steps`: the canonical op's operand at `position`."""
+    position: int
+
+
+PREVIOUS = "previous"  # in a Canonical's `steps`: the previous step's result
+
+
+def computed_as(steps: tuple, operands: tuple, inplace_of=None) -> Canonical:
+    """A pointwise op that eager computes as several of the vocabulary's, in its order (`input + alpha * other`,
+    addcmul's `input + value * tensor1 * tensor2`): `steps` are (op, args), each arg an operand (`OperandOf`), the
+    previous step's result (`PREVIOUS`) or a number. The canonical op is the last step's; its operands are the
+    formula's, and the matcher emits each step (its `steps` attribute)."""
+    return Canonical(steps[-1][0], tuple(operands), {"steps": tuple(steps)}, inplace_of=inplace_of)
+
+
+@dataclass(frozen=True)
 class SizeExpression:
     """A number computed in the graph from sizes of one tensor, `source` (`h.size(-1) ** -0.5`,
     `math.sqrt(h.shape[-1])`, `1.0 / h.shape[1]`): an operand whose value the matcher knows where the dims read are
@@ -398,9 +415,11 @@ def _binary(op: str, fns, methods, inplace_ops, signature="(input, other, *, alp
             raise NotFusible(f"div with rounding_mode={a['rounding_mode']!r}")
         if not any(isinstance(o, fx.Node) for o in (left, right)):
             raise NotFusible(f"{op} of two constants")
-        # the matcher scales a tensor's second operand (`scale_operand`): a mul of it by alpha before the op
-        attrs = {"scale_operand": _number(alpha, f"{op}'s alpha")} if alpha != 1 else {}
-        return Canonical(op, (left, right), attrs, inplace_of=a["input"] if inplace else None)
+        inplace_of = a["input"] if inplace else None
+        if alpha == 1:
+            return Canonical(op, (left, right), inplace_of=inplace_of)
+        scale = ("mul", (OperandOf(1), _number(alpha, f"{op}'s alpha")))  # the second operand times alpha first
+        return computed_as((scale, (op, (OperandOf(0), PREVIOUS))), (left, right), inplace_of)
     return handler
 
 

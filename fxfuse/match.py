@@ -23,8 +23,8 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .canonicalize import (COVERED, IDENTITY, LINEAR, Attr, Canonical, SizeExpression, augmented_assignment,
-                           has_call_hooks, signatures_of, surely_not_tensor)
+from .canonicalize import (COVERED, IDENTITY, LINEAR, PREVIOUS, Attr, Canonical, OperandOf, SizeExpression,
+                           augmented_assignment, has_call_hooks, signatures_of, surely_not_tensor)
 from .library import FUSED_OPS
 from .epilogue import EPILOGUE_OPS, NORM, POINTWISE, REDUCTION
 from .program import Instruction, Param, Program, Value
@@ -34,7 +34,7 @@ logger = logging.getLogger("fxfuse")
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Canonical attributes that steer matching but are not part of the op's program signature.
 MATCHING_ATTRS = ("transpose_weight", "addmm_bias", "rank_needed", "dtype_needed", "normalized_size",
-                  "matrix_input", "writes_out", "scale_operand")
+                  "matrix_input", "writes_out", "steps")
 
 
 @dataclass
@@ -467,20 +467,43 @@ class _Growth:
         # An in-place op keeps the changed value's dtype (program.py), where autocast may promote its out-of-place
         # form: a 16-bit value plus a float32 param, or on CUDA `h.exp_()`, whose `exp` runs in float32
         in_place = mutated is not None and operands[0] == Value(self.value.get(mutated, -1))
-        if "scale_operand" in c.attrs:  # `h.add_(g, alpha=2)`: g * 2 first, as eager scales it
-            scaled, alpha = operands[1], c.attrs["scale_operand"]
-            if isinstance(scaled, Param):
-                return (f"{describe(node)} scales {describe(self.params[scaled.index])}, a tensor from outside the "
-                        f"region, by alpha={alpha}: the fused op's {c.op} takes no alpha")
-            if not isinstance(scaled, Value):  # eager rounds a number to the value's dtype, then scales it
-                return f"{describe(node)} scales the number {scaled!r} by alpha={alpha}"
-            self.emit(node, "mul", (scaled, alpha), (), self.rank[scaled.index],
-                      reduced=scaled.index in self.reduced, dropped=scaled.index in self.dropped)
-            operands = [operands[0], Value(len(self.instructions))]
+        # (computed as steps or not, a pointwise op broadcasts all its operands: its rank and flags above are theirs)
+        one_feature = c.attrs["keepdim"] if reduces else self.keeps_one_feature(spec, operands)
+        if "steps" in c.attrs:  # `h.add_(b, alpha=2)`: b * 2 first, as eager computes it
+            operands, problem = self.emit_steps(node, c.attrs["steps"][:-1], c.attrs["steps"][-1][1], operands)
+            if problem:
+                return problem
         self.emit(node, c.op, operands, attrs, rank, reduced=reduces or all(v.index in self.reduced for v in values),
-                  dropped=dropped, drops_dim=drops_dim, in_place=in_place,
-                  one_feature=c.attrs["keepdim"] if reduces else self.keeps_one_feature(spec, operands))
+                  dropped=dropped, drops_dim=drops_dim, in_place=in_place, one_feature=one_feature)
         return None
+
+    def emit_steps(self, node, steps, last_args, operands) -> tuple[list, str | None]:
+        """Emit the steps before a canonical op computed as several (canonicalize.computed_as) on its resolved
+        `operands`, and give the last step's operands; or say why not. A step may read outside tensors only
+        (`mul($0,2.0)`, a param scaled by alpha) where their dtypes are known, and so the region's
+        (outside_operand_problem): eager computes the whole op in the dtype all its operands promote to, where an
+        integer one scaled first would become float32 (and addcdiv raises for two integer ones). One of numbers only
+        would compute in Python's precision, where eager rounds the numbers to the value's dtype first."""
+        def resolve(arg):
+            if isinstance(arg, OperandOf):
+                return operands[arg.position]
+            return Value(len(self.instructions)) if arg == PREVIOUS else arg
+
+        for op, args in steps:
+            step = [resolve(a) for a in args]
+            if not any(isinstance(o, (Value, Param)) for o in step):
+                return [], f"{describe(node)} computes {op} of the numbers {', '.join(map(repr, step))} first"
+            values = [o for o in step if isinstance(o, Value)]
+            unknown = next((self.params[o.index] for o in step
+                            if isinstance(o, Param) and self.facts.tensor(self.params[o.index]) is None), None)
+            if not values and unknown is not None:
+                return [], (f"{describe(node)} computes {op} of {describe(unknown)}, whose dtype is unknown, before it "
+                            "reads the region's value: eager's dtype and errors for an integer one would differ (pass "
+                            "example inputs)")
+            self.emit(node, op, step, (), self.result_rank(step),
+                      reduced=bool(values) and all(v.index in self.reduced for v in values),
+                      dropped=bool(values) and all(v.index in self.dropped for v in values))
+        return [resolve(a) for a in last_args], None
 
     def keeps_one_feature(self, spec, operands) -> bool:
         """Whether a pointwise op of values whose features dim is one value provably keeps it one value: its

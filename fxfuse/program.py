@@ -8,7 +8,8 @@ A program is a straight-line list of epilogue instructions in SSA form, serializ
     add(%0,$0);clamp(%1,-1.0,1.0);mish(%2);group_norm(%3,$1,$2,256,1e-05)
 
 - ``%0`` is the GEMM output ``linear(x, weight, bias)``; instruction ``i`` (from 0) defines ``%{i+1}``.
-- ``$k`` is ``params[k]``, a tensor from outside the region (a parameter, buffer, graph input...).
+- ``$k`` is ``params[k]``, a tensor from outside the region (a parameter, buffer, graph input...). An instruction may
+  read params and numbers only (``mul($0,2.0)``: eager's ``alpha * b`` before its add); the kernels bind none such.
 - Every other token is a literal: a Python number (``inf``/``nan`` included), ``None``, ``True``/``False``
   or a quoted string such as ``'tanh'``.
 - Each instruction lists its operands, then its attributes, in the order of its reference's signature

@@ -41,6 +41,18 @@ class GemmThen(nn.Module):
         return self.epilogue(self, x, y)
 
 
+class GemmThenTwoArguments(nn.Module):
+    """`epilogue(h, a, b)` of the GEMM's output h and two forward arguments."""
+
+    def __init__(self, epilogue):
+        super().__init__()
+        self.fc = nn.Linear(IN, OUT)
+        self.epilogue = epilogue
+
+    def forward(self, x, a, b):
+        return self.epilogue(self.fc(x), a, b)
+
+
 # Nodes a fully fused graph may still hold besides the fused ops (and their eval-mode checks): inputs,
 # attributes, the output, the transpose of a weight that the GEMM reads as `x @ W`, and the result taken out of
 # a training op's (out, gemm_out).

@@ -14,8 +14,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxfuse
-from epilogue_models import (BATCH, IN, OUT, GemmThen, assert_reason, assert_whole_chain_fused, fused_programs,
-                             leftover_compute, reasons)
+from epilogue_models import (BATCH, IN, OUT, GemmThen, GemmThenTwoArguments, assert_reason, assert_whole_chain_fused,
+                             fused_programs, leftover_compute, reasons)
 from fxfuse.testing import assert_close_report, assert_fuses, assert_gradients_match, assert_not_fused, fused_op_count
 
 
@@ -425,8 +425,6 @@ def test_in_place_op_on_the_region_value_is_fused():
 
 
 NEAR_SPELLINGS = {
-    "add-alpha-with-tensor": (lambda m, x, y: torch.add(m.fc(x), y, alpha=2),
-                              "`add` scales `y`, a tensor from outside the region, by alpha=2"),
     # eager rounds 1e6 to fp16 (inf) before scaling it by alpha: `add(%0,1.0)` was fused
     "add-alpha-with-number": (lambda m, x, y: torch.add(m.fc(x), 1e6, alpha=1e-6), "add with alpha=1e-06"),
     "sub-alpha-with-number": (lambda m, x, y: torch.sub(m.fc(x), 3, alpha=0.1), "sub with alpha=0.1"),
@@ -3185,10 +3183,23 @@ def test_reduction_written_with_out_is_not_fused():
 
 # ---------------------------------------------------------------- alpha
 
-def test_alpha_scaling_a_tensor_from_outside_the_region_is_not_fused():
-    """`h.add_(b, alpha=2)` of a bias: the program would have to scale a param, which its add can't."""
-    model = GemmThen(lambda m, x, y: m.fc(x).add_(m.b, alpha=2), b=nn.Parameter(torch.randn(OUT)))
-    assert_not_fused(model, (rows(),), reason="`add_` scales `b`, a tensor from outside the region, by alpha=2.0")
+def test_alpha_scaling_an_argument_that_is_a_number_at_a_call_computes_as_eager():
+    model = GemmThenTwoArguments(lambda h, a, b: torch.sub(h, a, alpha=0.5)).eval()
+    optimized = assert_whole_chain_fused(model, (rows(), torch.randn(OUT), None))
+    inputs = (rows(), 3.0, None)
+    with torch.no_grad():
+        assert_close_report(optimized(*inputs), model(*inputs))
+
+
+def test_alpha_scaling_an_argument_of_unknown_dtype_is_not_fused():
+    """Eager adds an integer `a` times alpha to a bf16 value in bf16; scaled first, it would be float32."""
+    model = GemmThenTwoArguments(lambda h, a, b: torch.add(h, a, alpha=0.5)).eval().to(torch.bfloat16)
+    optimized = fxfuse.optimize(model)
+    assert fused_op_count(optimized) == 0
+    assert_reason(optimized, "`add` computes mul of `a`, whose dtype is unknown, before it reads the region's value")
+    inputs = (rows(dtype=torch.bfloat16), torch.arange(OUT), None)
+    with torch.no_grad():
+        assert_close_report(optimized(*inputs), model(*inputs))
 
 
 def test_alpha_scaling_a_number_is_not_fused():
@@ -3196,7 +3207,7 @@ def test_alpha_scaling_a_number_is_not_fused():
     assert_not_fused(GemmThen(lambda m, x, y: m.fc(x).add_(0.1, alpha=2)), (rows(),),
                      reason="add with alpha=2 and the number 0.1")
     assert_not_fused(GemmThen(lambda m, x, y: (lambda h: h.add(h.size(-1), alpha=2))(m.fc(x))), (rows(),),
-                     reason="`add` scales the number 40 by alpha=2.0")
+                     reason="`add` computes mul of the numbers 40, 2.0 first")
 
 
 def test_in_place_op_on_a_new_tensor_made_from_the_value_is_no_view_of_it():

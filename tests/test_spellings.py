@@ -12,8 +12,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from epilogue_models import BATCH, IN, OUT, GemmThen, assert_whole_chain_fused, fused_programs
-from fxfuse.testing import assert_not_fused
+import fxfuse
+from epilogue_models import BATCH, IN, OUT, GemmThen, GemmThenTwoArguments, assert_whole_chain_fused, fused_programs
+from fxfuse.testing import assert_gradients_match, assert_not_fused
 
 
 def vector(n=OUT):
@@ -61,6 +62,14 @@ def inplace_pow(m, x, y):
 
 def linear_then(fn):
     return lambda m, x, y: fn(m.fc(x))
+
+
+def linear_then_b(fn):
+    return lambda m, x, y: fn(m.fc(x), m.b)
+
+
+def linear_then_bc(fn):
+    return lambda m, x, y: fn(m.fc(x), m.b, m.c)
 
 
 POINTWISE = [
@@ -608,3 +617,71 @@ ALPHA_OF_A_VALUE = [
 def test_alpha_scaling_a_value_of_the_chain_fuses_as_a_mul_first(canonical, epilogue, extras, with_examples):
     """Eager computes `input + alpha * other`: the program scales `other` first (within rounding of a multiply-add)."""
     assert_fuses_to(canonical, epilogue, extras, with_examples)
+
+
+ALPHA_OF_AN_OUTSIDE_TENSOR = [
+    case("torch.add(h,b,alpha=2)", "mul($0,2.0);add(%0,%1)", linear_then_b(lambda h, b: torch.add(h, b, alpha=2)),
+         b=vector()),
+    case("h.sub(b,alpha=0.5)", "mul($0,0.5);sub(%0,%1)", linear_then_b(lambda h, b: h.sub(b, alpha=0.5)), b=vector()),
+    case("h.add_(b,alpha=3)", "mul($0,3.0);add_(%0,%1)", linear_then_b(lambda h, b: h.add_(b, alpha=3)), b=vector()),
+    case("torch.sub(h,b,alpha=-1.5,out=h)", "mul($0,-1.5);sub_(%0,%1)",
+         linear_then_b(lambda h, b: torch.sub(h, b, alpha=-1.5, out=h)), b=vector()),
+    case("torch.rsub(b,h,alpha=3)", "mul($0,3.0);sub(%0,%1)", linear_then_b(lambda h, b: torch.rsub(b, h, alpha=3)),
+         b=vector()),
+    # a param of more dims than the value: the result has the param's
+    case("torch.add(h,b3d,alpha=2)", "mul($0,2.0);add(%0,%1)", linear_then_b(lambda h, b: torch.add(h, b, alpha=2)),
+         b=buffer(2, 1, OUT)),
+    # the scaled operand is the chain's value, the other an outside tensor (as before)
+    case("torch.add(b,h,alpha=2)", "mul(%0,2.0);add($0,%1)", linear_then_b(lambda h, b: torch.add(b, h, alpha=2)),
+         b=vector()),
+    case("torch.rsub(h,b,alpha=3)", "mul(%0,3.0);sub($0,%1)", linear_then_b(lambda h, b: torch.rsub(h, b, alpha=3)),
+         b=vector()),
+    # a reduced value plus a scaled param of one feature keeps one feature: a softmax of it is its pointwise steps
+    case("h.amax(-1,keepdim).add(s,alpha=2).softmax(-1)", "mul($0,2.0);add(%1,%2);sub(%3,%3);exp(%4)",
+         linear_then_b(lambda h, s: h.amax(-1, keepdim=True).add(s, alpha=2).softmax(-1)), b=buffer(1)),
+]
+
+
+@pytest.mark.parametrize("with_examples", [True, False], ids=["example-inputs", "no-example-inputs"])
+@pytest.mark.parametrize("canonical, epilogue, extras", ALPHA_OF_AN_OUTSIDE_TENSOR)
+def test_alpha_scaling_a_tensor_from_outside_the_region_fuses_as_a_mul_of_the_param(canonical, epilogue, extras,
+                                                                                       with_examples):
+    """Eager computes `input + alpha * other`: the program scales the param first, `mul($k,alpha)`."""
+    assert_fuses_to(canonical, epilogue, extras, with_examples)
+
+
+SCALED_OUTSIDE_TENSORS_IN_BF16 = [
+    linear_then_bc(lambda h, b, c: torch.add(h, b, alpha=0.3)),
+    linear_then_bc(lambda h, b, c: torch.rsub(b, h, alpha=-1.7)),
+]
+
+
+@pytest.mark.parametrize("epilogue", SCALED_OUTSIDE_TENSORS_IN_BF16, ids=["add", "rsub"])
+def test_scaled_outside_tensors_match_eager_in_bf16(epilogue):
+    """Eager computes a bf16 `h + alpha * b` in float32, rounded once; the program rounds each step, within bf16's
+    tolerance."""
+    model = GemmThen(epilogue, b=vector(), c=vector()).eval().to(torch.bfloat16)
+    x = torch.randn(BATCH, IN, dtype=torch.bfloat16)
+    assert_whole_chain_fused(model, (x,))
+
+
+@pytest.mark.parametrize("epilogue", [
+    linear_then_bc(lambda h, b, c: torch.add(h, b, alpha=2.5).relu()),
+], ids=["add-alpha"])
+def test_gradients_of_scaled_outside_tensors_are_eagers(epilogue):
+    """b's gradient is alpha (or value / c) times the output's: autograd through the program's mul of the param."""
+    model = GemmThen(epilogue, b=vector(), c=vector()).train()
+    x = torch.randn(BATCH, IN)
+    optimized = fxfuse.optimize(model, (x,))
+    assert [row.op for row in optimized.fxfuse_report.fused] == ["gemm_epilogue_train"]
+    assert_gradients_match(model, optimized, (x,))
+
+
+@pytest.mark.parametrize("epilogue, program", [
+    (lambda h, a, b: torch.sub(h, a, alpha=0.5), "mul($0,0.5);sub(%0,%1)"),
+], ids=["sub-alpha"])
+def test_scaled_forward_arguments_fuse(epilogue, program):
+    model = GemmThenTwoArguments(epilogue).eval()
+    inputs = (torch.randn(BATCH, IN), torch.randn(BATCH, OUT), torch.rand(OUT) + 0.5)
+    optimized = assert_whole_chain_fused(model, inputs)
+    assert fused_programs(optimized) == [program]
