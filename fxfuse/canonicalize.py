@@ -432,6 +432,43 @@ _binary("div", (torch.div, torch.divide, torch.true_divide, operator.truediv), (
         (operator.itruediv,), signature="(input, other, *, rounding_mode=None)")
 
 
+def _tensors_only(a, names, op):
+    """`a`'s tensors `names`: eager's op takes no number there (`torch.addcmul(h, h, 2.0)` raises TypeError)."""
+    for name in names:
+        if surely_not_tensor(a[name]) or not isinstance(a[name], (fx.Node, Attr)):
+            raise NotFusible(f"{op}'s {name} is not a tensor (eager raises)")
+    return tuple(a[name] for name in names)
+
+
+def _value_of(a, op):
+    """addcmul's and addcdiv's `value`: any real number (True is 1), as eager takes it for a floating result."""
+    value = a["value"]
+    return float(value) if isinstance(value, bool) else _number(value, f"{op}'s value")
+
+
+@spelling("(input, tensor1, tensor2, *, value=1)", functions=(torch.addcmul,), methods=("addcmul",),
+          inplace_methods=("addcmul_",))
+def _addcmul(a, inplace):
+    operands = _tensors_only(a, ("input", "tensor1", "tensor2"), "addcmul")
+    value = _value_of(a, "addcmul")
+    # eager: input + value * tensor1 * tensor2, the products left to right (value * 1 is exact: no step)
+    scaled = (("mul", (OperandOf(1), value)), ("mul", (PREVIOUS, OperandOf(2)))) if value != 1 else \
+        (("mul", (OperandOf(1), OperandOf(2))),)
+    return computed_as((*scaled, ("add", (OperandOf(0), PREVIOUS))), operands, _inplace(a, inplace))
+
+
+@spelling("(input, tensor1, tensor2, *, value=1)", functions=(torch.addcdiv,), methods=("addcdiv",),
+          inplace_methods=("addcdiv_",))
+def _addcdiv(a, inplace):
+    operands = _tensors_only(a, ("input", "tensor1", "tensor2"), "addcdiv")
+    value = _value_of(a, "addcdiv")
+    # eager: input + value * tensor1 / tensor2, left to right; it raises where both tensors are integer, where the
+    # first step reads no value of the region, which the matcher takes of tensors of its dtype only
+    scaled = (("mul", (OperandOf(1), value)), ("div", (PREVIOUS, OperandOf(2)))) if value != 1 else \
+        (("div", (OperandOf(1), OperandOf(2))),)
+    return computed_as((*scaled, ("add", (OperandOf(0), PREVIOUS))), operands, _inplace(a, inplace))
+
+
 # ---------------------------------------------------------------- normalizations
 
 @spelling("(input, num_groups, weight=None, bias=None, eps=1e-05)", functions=(F.group_norm,))

@@ -382,7 +382,8 @@ def add_written_into_itself(m, h):
     (add_written_into_itself, "add_(%0,$0)"),
     (lambda m, h: h.add_(h.relu(), alpha=0.5), "relu(%0);mul(%1,0.5);add_(%0,%2)"),
     (lambda m, h: torch.sub(h, m.fc.bias, alpha=2), "mul($0,2.0);sub(%0,%1)"),
-], ids=["whole-view-in-place-then-size", "out=", "alpha-of-a-value", "alpha-of-a-param"])
+    (lambda m, h: h.addcdiv(m.fc.bias, h.exp(), value=0.5), "exp(%0);mul($0,0.5);div(%2,%1);add(%0,%3)"),
+], ids=["whole-view-in-place-then-size", "out=", "alpha-of-a-value", "alpha-of-a-param", "addcdiv"])
 def test_spellings_of_views_out_and_alpha_fuse_in_dynamos_graph(epilogue, program):
     """Dynamo's graphs hold the feature count as a number already; views, out= and alpha are spelled as in fx's."""
     backend = FxfuseBackend(inner="eager")

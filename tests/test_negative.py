@@ -909,6 +909,16 @@ EAGER_ERRORS = {
     "layer_norm-of-size(-1)": (lambda m, x, y: (lambda h: F.layer_norm(h, h.size(-1)))(m.fc(x)), TypeError),
     "group_norm-of-a-float-count": (lambda m, x, y: F.group_norm(m.fc(x), 2.0), TypeError),
     "add-with-a-boolean-alpha": (lambda m, x, y: torch.add(m.fc(x), 2, alpha=True), RuntimeError),
+    # addcmul and addcdiv take tensors only, and a keyword value; addcdiv divides no two integer tensors
+    "addcdiv-of-two-integer-tensors": (lambda m, x, y: torch.addcdiv(m.fc(x), torch.arange(1, OUT + 1),
+                                                                     torch.arange(1, OUT + 1)), RuntimeError),
+    "addcmul-of-a-number": (lambda m, x, y: (lambda h: torch.addcmul(h, h, 2.0))(m.fc(x)), TypeError),
+    "addcdiv-of-a-size": (lambda m, x, y: (lambda h: torch.addcdiv(h, h, h.size(-1)))(m.fc(x)), TypeError),
+    "addcmul-with-a-positional-value": (lambda m, x, y: (lambda h: h.addcmul(h, h, 2))(m.fc(x)), TypeError),
+    "addcdiv-with-a-complex-value": (lambda m, x, y: (lambda h: h.addcdiv(h, h.exp(), value=1j))(m.fc(x)),
+                                     RuntimeError),
+    "in-place-addcmul-of-a-bigger-tensor": (lambda m, x, y: (lambda h: h.addcmul_(torch.ones(3, 1, OUT), h))(m.fc(x)),
+                                            RuntimeError),
     "contiguous-as-channels_last": (lambda m, x, y: torch.relu(m.fc(x).contiguous(memory_format=torch.channels_last)),
                                     RuntimeError),
     "clone-as-channels_last": (lambda m, x, y: torch.relu(m.fc(x).clone(memory_format=torch.channels_last)),
@@ -3181,7 +3191,20 @@ def test_reduction_written_with_out_is_not_fused():
                      reason="sum writes into `buf` (out=), not into a tensor of its own")
 
 
-# ---------------------------------------------------------------- alpha
+# ---------------------------------------------------------------- alpha, addcmul and addcdiv
+
+def test_addcdiv_of_two_arguments_of_unknown_dtypes_is_not_fused():
+    """Without example inputs the two may be integer tensors, which eager's addcdiv raises for."""
+    model = GemmThenTwoArguments(torch.addcdiv).eval()
+    ints = (rows(), torch.arange(1, OUT + 1), torch.arange(1, OUT + 1))
+    optimized = fxfuse.optimize(model)
+    assert fused_op_count(optimized) == 0
+    assert_reason(optimized, "`addcdiv` computes div of `a`, whose dtype is unknown, before it reads the region")
+    for module in (model, optimized):
+        with pytest.raises(RuntimeError, match="Integer division with addcdiv"):
+            module(*ints)
+    assert_whole_chain_fused(model, (rows(), torch.randn(OUT), torch.rand(OUT) + 0.5))  # with examples: floats
+
 
 def test_alpha_scaling_an_argument_that_is_a_number_at_a_call_computes_as_eager():
     model = GemmThenTwoArguments(lambda h, a, b: torch.sub(h, a, alpha=0.5)).eval()

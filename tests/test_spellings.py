@@ -650,13 +650,48 @@ def test_alpha_scaling_a_tensor_from_outside_the_region_fuses_as_a_mul_of_the_pa
     assert_fuses_to(canonical, epilogue, extras, with_examples)
 
 
-SCALED_OUTSIDE_TENSORS_IN_BF16 = [
-    linear_then_bc(lambda h, b, c: torch.add(h, b, alpha=0.3)),
-    linear_then_bc(lambda h, b, c: torch.rsub(b, h, alpha=-1.7)),
+ADDCMUL_ADDCDIV = [
+    case("torch.addcmul(h,b,c,value=0.5)", "mul($0,0.5);mul(%1,$1);add(%0,%2)",
+         linear_then_bc(lambda h, b, c: torch.addcmul(h, b, c, value=0.5)), b=vector(), c=vector()),
+    case("torch.addcmul(b,h,c)", "mul(%0,$1);add($0,%1)",
+         linear_then_bc(lambda h, b, c: torch.addcmul(b, h, c)), b=vector(), c=vector()),
+    case("torch.addcmul(b,c,h,value=True)", "mul($1,%0);add($0,%1)",
+         linear_then_bc(lambda h, b, c: torch.addcmul(b, c, h, value=True)), b=vector(), c=vector()),
+    case("torch.addcmul(h,b,c,value=0)", "mul($0,0.0);mul(%1,$1);add(%0,%2)",
+         linear_then_bc(lambda h, b, c: torch.addcmul(h, b, c, value=0)), b=vector(), c=vector()),
+    case("Tensor.addcmul(h,h,value=-2)", "mul(%0,-2.0);mul(%1,%0);add(%0,%2)",
+         linear_then(lambda h: h.addcmul(h, h, value=-2))),
+    case("Tensor.addcmul_(b,c,value=3)", "mul($0,3.0);mul(%1,$1);add_(%0,%2)",
+         linear_then_bc(lambda h, b, c: h.addcmul_(b, c, value=3)), b=vector(), c=vector()),
+    case("torch.addcmul(h,b,c,out=h)", "mul($0,$1);add_(%0,%1)",
+         linear_then_bc(lambda h, b, c: torch.addcmul(h, b, c, out=h)), b=vector(), c=vector()),
+    case("torch.addcdiv(h,b,c,value=0.5)", "mul($0,0.5);div(%1,$1);add(%0,%2)",
+         linear_then_bc(lambda h, b, c: torch.addcdiv(h, b, c, value=0.5)), b=vector(), c=vector()),
+    case("torch.addcdiv(b,c,exp(h))", "exp(%0);div($1,%1);add($0,%2)",
+         linear_then_bc(lambda h, b, c: torch.addcdiv(b, c, h.exp())), b=vector(), c=vector()),
+    case("Tensor.addcdiv(h,exp(h),value=3)", "exp(%0);mul(%0,3.0);div(%2,%1);add(%0,%3)",
+         linear_then(lambda h: h.addcdiv(h, h.exp(), value=3))),
+    case("Tensor.addcdiv_(b,c,value=-1)", "mul($0,-1.0);div(%1,$1);add_(%0,%2)",
+         linear_then_bc(lambda h, b, c: h.addcdiv_(b, c, value=-1)), b=vector(), c=vector()),
 ]
 
 
-@pytest.mark.parametrize("epilogue", SCALED_OUTSIDE_TENSORS_IN_BF16, ids=["add", "rsub"])
+@pytest.mark.parametrize("with_examples", [True, False], ids=["example-inputs", "no-example-inputs"])
+@pytest.mark.parametrize("canonical, epilogue, extras", ADDCMUL_ADDCDIV)
+def test_addcmul_and_addcdiv_fuse_as_eagers_mul_div_and_add(canonical, epilogue, extras, with_examples):
+    """`input + value * tensor1 * tensor2` (or `/ tensor2`), left to right as eager computes it."""
+    assert_fuses_to(canonical, epilogue, extras, with_examples)
+
+
+SCALED_OUTSIDE_TENSORS_IN_BF16 = [
+    linear_then_bc(lambda h, b, c: torch.add(h, b, alpha=0.3)),
+    linear_then_bc(lambda h, b, c: torch.rsub(b, h, alpha=-1.7)),
+    linear_then_bc(lambda h, b, c: h.addcmul(b, c, value=0.7)),
+    linear_then_bc(lambda h, b, c: torch.addcdiv(b, c, h.sigmoid() + 1, value=1.3)),
+]
+
+
+@pytest.mark.parametrize("epilogue", SCALED_OUTSIDE_TENSORS_IN_BF16, ids=["add", "rsub", "addcmul", "addcdiv"])
 def test_scaled_outside_tensors_match_eager_in_bf16(epilogue):
     """Eager computes a bf16 `h + alpha * b` in float32, rounded once; the program rounds each step, within bf16's
     tolerance."""
@@ -667,7 +702,8 @@ def test_scaled_outside_tensors_match_eager_in_bf16(epilogue):
 
 @pytest.mark.parametrize("epilogue", [
     linear_then_bc(lambda h, b, c: torch.add(h, b, alpha=2.5).relu()),
-], ids=["add-alpha"])
+    linear_then_bc(lambda h, b, c: torch.addcdiv(b, h, c.exp(), value=-0.5)),
+], ids=["add-alpha", "addcdiv"])
 def test_gradients_of_scaled_outside_tensors_are_eagers(epilogue):
     """b's gradient is alpha (or value / c) times the output's: autograd through the program's mul of the param."""
     model = GemmThen(epilogue, b=vector(), c=vector()).train()
@@ -679,7 +715,9 @@ def test_gradients_of_scaled_outside_tensors_are_eagers(epilogue):
 
 @pytest.mark.parametrize("epilogue, program", [
     (lambda h, a, b: torch.sub(h, a, alpha=0.5), "mul($0,0.5);sub(%0,%1)"),
-], ids=["sub-alpha"])
+    (lambda h, a, b: torch.addcmul(h, a, b, value=2), "mul($0,2.0);mul(%1,$1);add(%0,%2)"),
+    (lambda h, a, b: torch.addcdiv(h, a, b), "div($0,$1);add(%0,%1)"),
+], ids=["sub-alpha", "addcmul", "addcdiv"])
 def test_scaled_forward_arguments_fuse(epilogue, program):
     model = GemmThenTwoArguments(epilogue).eval()
     inputs = (torch.randn(BATCH, IN), torch.randn(BATCH, OUT), torch.rand(OUT) + 0.5)
