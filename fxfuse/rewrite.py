@@ -126,8 +126,9 @@ def require_settings(x, module: nn.Module, path: str, settings: dict, kind: str,
                                "fxfuse.optimize() on the model again")
 
 
-# Stand-ins in the op that require_param replays: the param (None there) and the op's other tensors.
-_NONE, _TENSOR = "<fxfuse: the param>", "<fxfuse: a tensor>"
+# Stand-ins in the op that require_param and number_as_tensor replay: the param (None or the number there) and the
+# op's other tensors.
+_PARAM, _TENSOR = "<fxfuse: the param>", "<fxfuse: a tensor>"
 
 
 def require_param(x, value, what: str, op: str, args: tuple, kwargs: dict) -> None:
@@ -137,11 +138,22 @@ def require_param(x, value, what: str, op: str, args: tuple, kwargs: dict) -> No
     and a 0-d tensor for the others; else, where the op takes None (it computes something else then), fxfuse's."""
     if value is not None:
         return
+    _replay((op, args, kwargs), None, x.new_zeros(()))  # eager's error for None there
+    again = "with None for it in the example inputs" if what.startswith("the forward argument") else \
+        "on the model again"
+    raise RuntimeError(f"fxfuse: {what} was a tensor when it was fused and is now None, which its fused op can't "
+                       f"take; run fxfuse.optimize() {again}")
+
+
+def _replay(read: tuple, param, tensor) -> None:
+    """Run the op of `read` (op, args, kwargs: _param_read's) with `param` for the param and `tensor` for its other
+    tensors: eager's TypeError, where its op takes no such param, propagates; anything else it raises is not ours."""
+    op, args, kwargs = read
 
     def stand_in(a):
         if isinstance(a, (tuple, list)):
             return type(a)(stand_in(b) for b in a)
-        return None if a == _NONE else x.new_zeros(()) if a == _TENSOR else a
+        return param if a == _PARAM else tensor if a == _TENSOR else a
 
     args, kwargs = stand_in(args), {name: stand_in(a) for name, a in kwargs.items()}
     try:
@@ -153,13 +165,9 @@ def require_param(x, value, what: str, op: str, args: tuple, kwargs: dict) -> No
             module, name = op.rsplit(".", 1)
             getattr(importlib.import_module(module), name)(*args, **kwargs)
     except TypeError:
-        raise  # eager's error for None there
+        raise
     except Exception:
         pass
-    again = "with None for it in the example inputs" if what.startswith("the forward argument") else \
-        "on the model again"
-    raise RuntimeError(f"fxfuse: {what} was a tensor when it was fused and is now None, which its fused op can't "
-                       f"take; run fxfuse.optimize() {again}")
 
 
 def _dotted_name(function) -> str | None:
@@ -184,7 +192,7 @@ def _param_read(member: fx.Node, param: fx.Node) -> tuple:
         op = _dotted_name(member.target) if member.op == "call_function" else None
 
     def marked(a):
-        return _NONE if a is param else _TENSOR
+        return _PARAM if a is param else _TENSOR
 
     return op, fx.node.map_arg(member.args, marked), fx.node.map_arg(member.kwargs, marked)
 
@@ -352,7 +360,7 @@ def require_out_without_grad(x: torch.Tensor, op: str, tensors: list) -> None:
                            "one of the arguments requires grad.")
 
 
-def number_as_tensor(value, refused_by: tuple = ()):
+def number_as_tensor(value, refused_by: tuple = (), reads: tuple = ()):
     """Called by rewritten graphs for a forward argument that the matcher took for a tensor (optimize()'s: a number
     may be passed where the example input was a tensor) or that it could not tell without example inputs: a number
     passed there (Python's or NumPy's) becomes a 0-d CPU tensor, which torch's ops read at full precision
@@ -360,7 +368,9 @@ def number_as_tensor(value, refused_by: tuple = ()):
     (on a GPU, its reference runs). NumPy's bool_ is no numbers.Number: its scalars are told by their module. A
     float becomes a float64 tensor (a complex one complex128), as precise as Python's number: a float32 one made
     1e40 inf in a float64 model. `refused_by`: (op, operand position) pairs of the program's ops that take no number
-    there (torch.maximum, prelu's slopes), whose references then raise eager's own TypeError."""
+    there (torch.maximum, prelu's slopes), whose references then raise eager's own TypeError; `reads`: the region's
+    ops that read it (_param_read's), replayed with the number, which raise eager's TypeError where a program op that
+    takes one stands for an op that does not (addcmul's `value * tensor1` is a mul)."""
     is_numpy_scalar = type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0
     if not (isinstance(value, numbers.Number) or is_numpy_scalar):
         return value
@@ -369,6 +379,8 @@ def number_as_tensor(value, refused_by: tuple = ()):
         args = [torch.zeros(()) for _ in spec.operands]
         args[position] = value
         spec.reference(*args)
+    for read in reads:
+        _replay(read, value, torch.zeros(()))
     if isinstance(value, float):  # (NumPy's float64 is a float too; its float32 keeps its own dtype)
         return torch.tensor(value, dtype=torch.float64)
     if isinstance(value, complex):
@@ -549,7 +561,9 @@ def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool,
             graph.call_function(require_features, (region.x, weight, features, dim, f"`{path}`"))
         if region.transpose_weight:
             weight = graph.call_function(torch.t, (weight,))
-        params = [graph.call_function(number_as_tensor, (p, _taking_no_number(region.program, k)))
+        params = [graph.call_function(number_as_tensor, (p, _taking_no_number(region.program, k),
+                                                         tuple(_param_read(m, p) for m in region.members
+                                                               if p in m.all_input_nodes)))
                   if _maybe_number(p, shapes_guarded) else _tensor_node(graph, p) for k, p in enumerate(region.params)]
         bias = _tensor_node(graph, region.bias)
         if region.out_write is not None and not shapes_guarded:

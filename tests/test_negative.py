@@ -3206,6 +3206,21 @@ def test_addcdiv_of_two_arguments_of_unknown_dtypes_is_not_fused():
     assert_whole_chain_fused(model, (rows(), torch.randn(OUT), torch.rand(OUT) + 0.5))  # with examples: floats
 
 
+@pytest.mark.parametrize("epilogue", [torch.addcmul, lambda h, a, b: h.addcdiv(a, b, value=2)],
+                         ids=["addcmul", "Tensor.addcdiv"])
+@pytest.mark.parametrize("number_at", [1, 2], ids=["tensor1", "tensor2"])
+def test_addcmul_and_addcdiv_of_an_argument_that_is_a_number_at_a_call_raise_as_eager(epilogue, number_at):
+    """Their programs' mul and div take numbers, eager's addcmul and addcdiv do not: a number passed for a forward
+    argument that was a tensor raises eager's TypeError."""
+    model = GemmThenTwoArguments(epilogue).eval()
+    optimized = assert_whole_chain_fused(model, (rows(), torch.randn(OUT), torch.rand(OUT) + 0.5))
+    inputs = [rows(), torch.randn(OUT), torch.rand(OUT) + 0.5]
+    inputs[number_at] = 2.0
+    for module in (model, optimized):
+        with pytest.raises(TypeError, match="must be Tensor, not float"):
+            module(*inputs)
+
+
 def test_alpha_scaling_an_argument_that_is_a_number_at_a_call_computes_as_eager():
     model = GemmThenTwoArguments(lambda h, a, b: torch.sub(h, a, alpha=0.5)).eval()
     optimized = assert_whole_chain_fused(model, (rows(), torch.randn(OUT), None))
