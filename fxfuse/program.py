@@ -9,7 +9,8 @@ A program is a straight-line list of epilogue instructions in SSA form, serializ
 
 - ``%0`` is the GEMM output ``linear(x, weight, bias)``; instruction ``i`` (from 0) defines ``%{i+1}``.
 - ``$k`` is ``params[k]``, a tensor from outside the region (a parameter, buffer, graph input...). An instruction may
-  read params and numbers only (``mul($0,2.0)``: eager's ``alpha * b`` before its add); the kernels bind none such.
+  read params and numbers only (``mul($0,2.0)``: eager's ``alpha * b`` before its add); the rewritten graph computes
+  those before the fused op (``hoist_param_steps``), as the kernels bind none such.
 - Every other token is a literal: a Python number (``inf``/``nan`` included), ``None``, ``True``/``False``
   or a quoted string such as ``'tanh'``.
 - Each instruction lists its operands, then its attributes, in the order of its reference's signature
@@ -149,3 +150,34 @@ def run_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   params: Sequence[torch.Tensor], program: str) -> torch.Tensor:
     """``linear(x, weight, bias)``, then ``program`` on it (``run_program``)."""
     return run_program(F.linear(x, weight, bias), params, program)
+
+
+def hoist_param_steps(program: Program, n_params: int) -> tuple[Program, list[Instruction]]:
+    """``program`` without its instructions that read no value, only params and numbers (``mul($0,2.0)``): each is a
+    new param instead, ``$n_params`` on, for the caller to compute before the fused op. Returns that program and the
+    taken instructions in the new params' order, each on the params before its own. The program's result stays its
+    own instruction."""
+    renamed: dict[int, Operand] = {0: Value(0)}  # a value's index in `program` -> what stands for it now
+    kept: list[Instruction] = []
+    taken: list[Instruction] = []
+    for index, instruction in enumerate(program.instructions, start=1):
+        operands = tuple(renamed[o.index] if isinstance(o, Value) else o for o in instruction.operands)
+        instruction = Instruction(instruction.op, operands, instruction.attrs, instruction.in_place)
+        if index < len(program.instructions) and not any(isinstance(o, Value) for o in operands):
+            taken.append(instruction)
+            renamed[index] = Param(n_params + len(taken) - 1)
+        else:
+            kept.append(instruction)
+            renamed[index] = Value(len(kept))
+    return Program(tuple(kept)), taken
+
+
+def drop_unread_params(program: Program, params: list) -> tuple[Program, list]:
+    """``program`` and ``params`` without the params no instruction reads (those only hoisted steps read), the rest
+    renumbered in order."""
+    read = sorted({o.index for i in program.instructions for o in i.operands if isinstance(o, Param)})
+    new_index = {old: new for new, old in enumerate(read)}
+    instructions = tuple(
+        Instruction(i.op, tuple(Param(new_index[o.index]) if isinstance(o, Param) else o for o in i.operands), i.attrs,
+                    i.in_place) for i in program.instructions)
+    return Program(instructions), [params[k] for k in read]

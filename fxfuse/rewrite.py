@@ -24,7 +24,7 @@ from .canonicalize import (IDENTITY, LINEAR, Attr, augmented_assignment, canonic
 from .epilogue import EPILOGUE_OPS, NORM, POINTWISE, REDUCTION
 from .library import gemm_epilogue, gemm_epilogue_train
 from .match import Facts, Region, find_region, module_tensor, module_tensor_path
-from .program import Param
+from .program import Param, drop_unread_params, hoist_param_steps
 from .report import FusedRow, MissRow, Report
 
 logger = logging.getLogger("fxfuse")
@@ -569,7 +569,14 @@ def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool,
         if region.out_write is not None and not shapes_guarded:
             op, read = region.out_write
             graph.call_function(require_out_without_grad, (region.x, op, [weight, bias, *params[:read]]))
-        args = (region.x, weight, bias, params, str(region.program))
+        # What the program computes of params and numbers alone (an outside tensor scaled by alpha) runs before it, by
+        # the op's reference, as eager computes it: the fused op's kernels then bind the rest
+        program, taken = hoist_param_steps(region.program, len(params))
+        for instruction in taken:
+            operands = tuple(params[o.index] if isinstance(o, Param) else o for o in instruction.operands)
+            params.append(graph.call_function(EPILOGUE_OPS[instruction.op].reference, operands, instruction.attr_dict))
+        program, params = drop_unread_params(program, params)
+        args = (region.x, weight, bias, params, str(program))
         if training:
             pair = graph.call_function(gemm_epilogue_train, args)
             fused = graph.call_function(operator.getitem, (pair, 0))

@@ -23,10 +23,11 @@
 // fp32 / bf16 / fp16, every tensor of one dtype, contiguous x, weight, bias, on one CUDA device; M >= 1;
 // N <= 16384; norms and reductions over the last dim of a full row (group_norm and batch_norm of a 2-D x only);
 // group sizes off the lanes' power-of-2 grid need N <= 12288 (a row in 48 KB of shared memory); at most 16
-// instructions, 8 param uses, 2 live extra values; every instruction reads a value (not `mul($0,2.0)`); no NaN
-// among a pointwise op's numbers (a clamp bound of None is NaN to the functors); prelu's slopes a param, one or one
-// per channel (dim 1: per row of a (1, T, N) output, not of a (B, T, N) one); a broadcast tail of pointwise ops
-// only, reading the row phase's last value, at most 3 params, 4 merged dims, 1 to 2^31 outputs.
+// instructions, 8 param uses, 2 live extra values; every instruction reads a value (`mul($0,2.0)` runs before the op:
+// program.py's hoist_param_steps); no NaN among a pointwise op's numbers (a clamp bound of None is NaN to the
+// functors); prelu's slopes a param, one or one per channel (dim 1: per row of a (1, T, N) output, not of a (B, T, N)
+// one); a broadcast tail of pointwise ops only, reading the row phase's last value, at most 3 params, 4 merged dims,
+// 1 to 2^31 outputs.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>

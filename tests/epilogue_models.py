@@ -17,6 +17,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from fxfuse.api import assert_is_none, require_traced_as_tensor
+from fxfuse.epilogue import EPILOGUE_OPS
 from fxfuse.library import FUSED_OPS, gemm_epilogue_train
 from fxfuse.rewrite import GRAPH_HELPERS
 from fxfuse.testing import assert_fuses
@@ -59,12 +60,22 @@ class GemmThenTwoArguments(nn.Module):
 _BOOKKEEPING = {"placeholder", "get_attr", "output"}
 
 
+_REFERENCES = {spec.reference for spec in EPILOGUE_OPS.values()}
+
+
 def leftover_compute(module: nn.Module) -> list[str]:
-    """The compute nodes of every graph in `module` other than fused ops and weight transposes."""
+    """The compute nodes of every graph in `module` other than fused ops, weight transposes and the steps a fused op's
+    program computes of outside tensors alone (rewrite's hoist_param_steps: an epilogue op's reference of inputs,
+    attributes and other such steps)."""
     left = []
     for graph_module in (m for m in module.modules() if isinstance(m, fx.GraphModule)):
+        hoisted = set()
         for node in graph_module.graph.nodes:
             if node.op in _BOOKKEEPING:
+                continue
+            if node.target in _REFERENCES and all(n.op in _BOOKKEEPING or n in hoisted or n.target in GRAPH_HELPERS
+                                                  for n in node.all_input_nodes):
+                hoisted.add(node)
                 continue
             # (the checks of an argument traced as None, or as a tensor that picked the code)
             if node.target in (*FUSED_OPS, *GRAPH_HELPERS, assert_is_none, require_traced_as_tensor):

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 import fxfuse
 from epilogue_models import BATCH, IN, OUT, GemmThen, GemmThenTwoArguments, assert_whole_chain_fused, fused_programs
-from fxfuse.testing import assert_gradients_match, assert_not_fused
+from fxfuse.library import FUSED_OPS
+from fxfuse.testing import assert_close_report, assert_gradients_match, assert_not_fused
 
 
 def vector(n=OUT):
@@ -648,6 +649,20 @@ def test_alpha_scaling_a_tensor_from_outside_the_region_fuses_as_a_mul_of_the_pa
                                                                                        with_examples):
     """Eager computes `input + alpha * other`: the program scales the param first, `mul($k,alpha)`."""
     assert_fuses_to(canonical, epilogue, extras, with_examples)
+
+
+def test_steps_on_outside_tensors_alone_run_before_the_fused_op_which_reads_their_results():
+    """The kernels bind instructions that read a value of the chain only: `mul($0,2.0)` and `mul($0,0.5);mul(%k,$1)`
+    run before the fused op, by their references, and the op reads their results as its params."""
+    model = GemmThen(linear_then_bc(lambda h, b, c: torch.addcmul(torch.add(h, b, alpha=2), b, c, value=0.5).relu()),
+                     b=vector(), c=vector())
+    x = torch.randn(BATCH, IN)
+    optimized = assert_whole_chain_fused(model, (x,))
+    (call,) = [n for n in optimized.graph.nodes if n.target in FUSED_OPS]
+    _, _, _, params, program = call.args
+    assert program == "add(%0,$0);add(%1,$1);relu(%2)", program
+    assert [p.target for p in params] == [fxfuse.epilogue.mul, fxfuse.epilogue.mul], params
+    assert_close_report(optimized(x), model(x))
 
 
 ADDCMUL_ADDCDIV = [
