@@ -160,3 +160,32 @@ def test_kernelbench_chains_fuse_whole_and_train(chain, precision):
     for name, want, got in zip(["x", "weight", "bias"], expected, actual):
         error = (got - want).abs().max().item()  # within the bound of the largest, or exactly eager's 0
         assert error <= bound * want.abs().max().item(), f"{chain.__name__}: d/d{name} off by {error:.3g}"
+
+
+class _ScaledOutsideTensors(torch.nn.Module):
+    """alpha scaling a param and addcmul of two params: steps on outside tensors alone, which run before the fused op
+    (rewrite's hoist_param_steps), so that the kernels bind the rest."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(512, 1024)
+        self.shift, self.gate = torch.nn.Parameter(torch.randn(1024)), torch.nn.Parameter(torch.randn(1024))
+
+    def forward(self, x):
+        h = torch.sub(self.fc(x), self.shift, alpha=0.5)
+        return torch.nn.functional.gelu(h.addcmul(self.shift, self.gate, value=2.0))
+
+
+@pytest.mark.parametrize("precision", sorted(DTYPES))
+def test_steps_on_outside_tensors_alone_leave_the_epilogue_to_the_kernels(precision, caplog):
+    dtype = DTYPES[precision]
+    model = _ScaledOutsideTensors().to("cuda", dtype)
+    x = torch.randn(300, 512, device="cuda", dtype=dtype)
+    optimized = fxfuse.optimize(model, [x])
+    assert fused_op_count(optimized) == 1
+    with caplog.at_level("DEBUG", logger="fxfuse"):
+        out = optimized(x)
+        out.sum().backward()
+    fallbacks = [r.getMessage() for r in caplog.records if "runs the reference" in r.getMessage()]
+    assert not fallbacks, fallbacks
+    Judge(model, dtype).check(out, [x], "scaled outside tensors")
