@@ -440,33 +440,24 @@ def _tensors_only(a, names, op):
     return tuple(a[name] for name in names)
 
 
-def _value_of(a, op):
-    """addcmul's and addcdiv's `value`: any real number (True is 1), as eager takes it for a floating result."""
-    value = a["value"]
-    return float(value) if isinstance(value, bool) else _number(value, f"{op}'s value")
+def _add_scaled(name: str, combine: str):
+    """torch.addcmul (`combine` mul) and torch.addcdiv (div): eager computes `input + value * tensor1 <combine>
+    tensor2`, left to right (value * 1 is exact: no step). addcdiv raises where both tensors are integer, where the
+    first step reads no value of the region, which the matcher takes of tensors of its dtype only."""
+    @spelling("(input, tensor1, tensor2, *, value=1)", functions=(getattr(torch, name),), methods=(name,),
+              inplace_methods=(name + "_",))
+    def handler(a, inplace):
+        operands = _tensors_only(a, ("input", "tensor1", "tensor2"), name)
+        value = a["value"]  # any real number (True is 1), as eager takes it for a floating result
+        value = float(value) if isinstance(value, bool) else _number(value, f"{name}'s value")
+        scaled = (("mul", (OperandOf(1), value)), (combine, (PREVIOUS, OperandOf(2)))) if value != 1 else \
+            ((combine, (OperandOf(1), OperandOf(2))),)
+        return computed_as((*scaled, ("add", (OperandOf(0), PREVIOUS))), operands, _inplace(a, inplace))
+    return handler
 
 
-@spelling("(input, tensor1, tensor2, *, value=1)", functions=(torch.addcmul,), methods=("addcmul",),
-          inplace_methods=("addcmul_",))
-def _addcmul(a, inplace):
-    operands = _tensors_only(a, ("input", "tensor1", "tensor2"), "addcmul")
-    value = _value_of(a, "addcmul")
-    # eager: input + value * tensor1 * tensor2, the products left to right (value * 1 is exact: no step)
-    scaled = (("mul", (OperandOf(1), value)), ("mul", (PREVIOUS, OperandOf(2)))) if value != 1 else \
-        (("mul", (OperandOf(1), OperandOf(2))),)
-    return computed_as((*scaled, ("add", (OperandOf(0), PREVIOUS))), operands, _inplace(a, inplace))
-
-
-@spelling("(input, tensor1, tensor2, *, value=1)", functions=(torch.addcdiv,), methods=("addcdiv",),
-          inplace_methods=("addcdiv_",))
-def _addcdiv(a, inplace):
-    operands = _tensors_only(a, ("input", "tensor1", "tensor2"), "addcdiv")
-    value = _value_of(a, "addcdiv")
-    # eager: input + value * tensor1 / tensor2, left to right; it raises where both tensors are integer, where the
-    # first step reads no value of the region, which the matcher takes of tensors of its dtype only
-    scaled = (("mul", (OperandOf(1), value)), ("div", (PREVIOUS, OperandOf(2)))) if value != 1 else \
-        (("div", (OperandOf(1), OperandOf(2))),)
-    return computed_as((*scaled, ("add", (OperandOf(0), PREVIOUS))), operands, _inplace(a, inplace))
+_add_scaled("addcmul", "mul")
+_add_scaled("addcdiv", "div")
 
 
 # ---------------------------------------------------------------- normalizations
