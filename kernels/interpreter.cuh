@@ -593,7 +593,6 @@ __device__ __forceinline__ void compute_statistic(const Ctx& ctx, const Instruct
   }
 }
 
-
 // One copy of each statistic's code per kernel, whichever op asks for it.
 template <typename Ctx, int CHUNKS, int VEC>
 __device__ __forceinline__ void run_statistic(const Ctx& ctx, const Instruction& ins, Values<CHUNKS, VEC>& cur,
