@@ -186,6 +186,41 @@ _unary("cos", (torch.cos,), _optional("cos_"), ("cos",))
 _unary("log_sigmoid", (F.logsigmoid,), signature="(input)")  # F.logsigmoid is torch._C._nn.log_sigmoid
 _unary("softsign", (F.softsign,), signature="(input)")
 _unary("tanhshrink", (F.tanhshrink,), signature="(input)")
+_unary("exp2", (torch.exp2, torch.special.exp2), _optional("exp2_"), ("exp2",))
+_unary("log2", (torch.log2,), _optional("log2_"), ("log2",))
+_unary("log10", (torch.log10,), _optional("log10_"), ("log10",))
+_unary("tan", (torch.tan,), _optional("tan_"), ("tan",))
+_unary("atan", (torch.atan, torch.arctan), _optional("atan_", "arctan_"), ("atan", "arctan"))
+_unary("sinh", (torch.sinh,), _optional("sinh_"), ("sinh",))
+_unary("cosh", (torch.cosh,), _optional("cosh_"), ("cosh",))
+_unary("asinh", (torch.asinh, torch.arcsinh), _optional("asinh_", "arcsinh_"), ("asinh", "arcsinh"))
+_unary("erfc", (torch.erfc, torch.special.erfc), _optional("erfc_"), ("erfc",))
+_unary("sign", (torch.sign, torch.sgn), _optional("sign_", "sgn_"), ("sign", "sgn"))  # sgn: sign, of a real tensor
+_unary("floor", (torch.floor,), _optional("floor_"), ("floor",))
+_unary("ceil", (torch.ceil,), _optional("ceil_"), ("ceil",))
+_unary("trunc", (torch.trunc, torch.fix), _optional("trunc_", "fix_"), ("trunc", "fix"))
+_unary("frac", (torch.frac,), _optional("frac_"), ("frac",))
+
+
+@spelling("(input, *, decimals=0)", functions=(torch.round,), inplace_functions=_optional("round_"),
+          methods=("round",), inplace_methods=("round_",))
+def _round(a, inplace):
+    decimals = a["decimals"]
+    if isinstance(decimals, bool) or not isinstance(decimals, int) or decimals != 0:
+        raise NotFusible(f"round with decimals={decimals!r}: the fused op rounds to integers only")
+    return Canonical("round", (a["input"],), {}, inplace_of=_inplace(a, inplace))
+
+
+@spelling("(input, eps=None)", functions=(torch.logit, torch.special.logit), inplace_functions=_optional("logit_"),
+          methods=("logit",), inplace_methods=("logit_",))
+def _logit(a, inplace):
+    eps = None if a["eps"] is None else _number(a["eps"], "logit's eps")
+    return Canonical("logit", (a["input"],), {"eps": eps}, inplace_of=_inplace(a, inplace))
+
+
+@spelling("(input)", functions=(torch.positive, operator.pos), methods=("positive", "__pos__"))
+def _positive(a, inplace):
+    return Canonical(IDENTITY, (a["input"],), {"same_tensor": True})  # eager returns its input
 
 
 @spelling("(input, threshold, value, inplace=False)", functions=(F.threshold, torch.threshold),

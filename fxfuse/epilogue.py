@@ -41,6 +41,9 @@ class EpilogueOp:
     # Defined, and well conditioned, for positive inputs only (log, rsqrt, fractional powers): the tests feed
     # it positive values, away from 0.
     positive_domain: bool = False
+    # Defined, or well conditioned, on (0, 1) (logit; tan, whose poles are at +-pi/2): the tests feed it values
+    # there.
+    unit_domain: bool = False
     # A binary op that takes a number for one operand (add, mul...); torch.maximum takes two tensors.
     takes_numbers: bool = True
     # Passes its value on but no gradient (detach): a region's result must also depend on the GEMM through other ops
@@ -69,8 +72,8 @@ EPILOGUE_OPS: dict[str, EpilogueOp] = {}
 
 
 def epilogue_op(kind: str, *, samples=({},), feature_operands=(), feature_dim_attr=None, positive_domain=False,
-                takes_numbers=True, over_one_feature=None, gradient_free=False, autocast_lower_precision=False,
-                raises_for_another_dtype=False):
+                unit_domain=False, takes_numbers=True, over_one_feature=None, gradient_free=False,
+                autocast_lower_precision=False, raises_for_another_dtype=False):
     """Register a reference function as a canonical epilogue op named after the function."""
 
     def register(fn):
@@ -80,8 +83,8 @@ def epilogue_op(kind: str, *, samples=({},), feature_operands=(), feature_dim_at
         EPILOGUE_OPS[fn.__name__] = EpilogueOp(
             name=fn.__name__, kind=kind, operands=operands, attrs=attrs, reference=fn,
             feature_operands=frozenset(feature_operands), samples=tuple(samples),
-            feature_dim_attr=feature_dim_attr, positive_domain=positive_domain, takes_numbers=takes_numbers,
-            over_one_feature=over_one_feature, gradient_free=gradient_free,
+            feature_dim_attr=feature_dim_attr, positive_domain=positive_domain, unit_domain=unit_domain,
+            takes_numbers=takes_numbers, over_one_feature=over_one_feature, gradient_free=gradient_free,
             autocast_lower_precision=autocast_lower_precision, raises_for_another_dtype=raises_for_another_dtype)
         return fn
 
@@ -292,6 +295,90 @@ def hardshrink(x, *, lambd):
 @epilogue_op(POINTWISE, samples=({"lambd": 0.5}, {"lambd": 0.0}))
 def softshrink(x, *, lambd):
     return F.softshrink(x, lambd)
+
+
+@epilogue_op(POINTWISE)
+def exp2(x):
+    return torch.exp2(x)
+
+
+@epilogue_op(POINTWISE, positive_domain=True)
+def log2(x):
+    return torch.log2(x)
+
+
+@epilogue_op(POINTWISE, positive_domain=True)
+def log10(x):
+    return torch.log10(x)
+
+
+@epilogue_op(POINTWISE, unit_domain=True)
+def tan(x):
+    return torch.tan(x)
+
+
+@epilogue_op(POINTWISE)
+def atan(x):
+    return torch.atan(x)
+
+
+@epilogue_op(POINTWISE)
+def sinh(x):
+    return torch.sinh(x)
+
+
+@epilogue_op(POINTWISE)
+def cosh(x):
+    return torch.cosh(x)
+
+
+@epilogue_op(POINTWISE)
+def asinh(x):
+    return torch.asinh(x)
+
+
+@epilogue_op(POINTWISE)
+def erfc(x):
+    return torch.erfc(x)
+
+
+@epilogue_op(POINTWISE)
+def sign(x):
+    # -1, 0 or 1; 0 for NaN and -0 (torch.sgn of a real tensor is the same); a gradient of 0.
+    return torch.sign(x)
+
+
+@epilogue_op(POINTWISE)
+def floor(x):
+    return torch.floor(x)
+
+
+@epilogue_op(POINTWISE)
+def ceil(x):
+    return torch.ceil(x)
+
+
+@epilogue_op(POINTWISE)
+def trunc(x):
+    return torch.trunc(x)
+
+
+@epilogue_op(POINTWISE)
+def round(x):
+    # To the nearest integer, halves to even (decimals=0 only).
+    return torch.round(x)
+
+
+@epilogue_op(POINTWISE)
+def frac(x):
+    # x - trunc(x): NaN for an infinity; the gradient is the output's.
+    return torch.frac(x)
+
+
+@epilogue_op(POINTWISE, samples=({"eps": None}, {"eps": 1e-6}, {"eps": 0.25}), unit_domain=True)
+def logit(x, *, eps):
+    # log(z / (1 - z)), z = x clamped to [eps, 1 - eps] (None: not clamped, NaN outside [0, 1]).
+    return torch.logit(x, eps)
 
 
 @epilogue_op(POINTWISE, feature_operands=("weight",), autocast_lower_precision=True, raises_for_another_dtype=True)

@@ -462,6 +462,141 @@ struct Softshrink {
   }
 };
 
+// fxfuse/epilogue.py::exp2 (backward as torch's from its result: grad 2^x ln 2)
+struct Exp2 {
+  static constexpr bool calls_libm = true;
+  static constexpr int num_attrs = 0;
+  __device__ static float apply(float x, const Attrs&) { return exp2f(x); }
+  __device__ static float backward(float x, float grad, const Attrs&) { return grad * exp2f(x) * 0.6931471805599453f; }
+};
+
+// fxfuse/epilogue.py::log2
+struct Log2 {
+  static constexpr bool calls_libm = true;
+  static constexpr int num_attrs = 0;
+  __device__ static float apply(float x, const Attrs&) { return log2f(x); }
+  __device__ static float backward(float x, float grad, const Attrs&) { return grad / (x * 0.6931471805599453f); }
+};
+
+// fxfuse/epilogue.py::log10
+struct Log10 {
+  static constexpr bool calls_libm = true;
+  static constexpr int num_attrs = 0;
+  __device__ static float apply(float x, const Attrs&) { return log10f(x); }
+  __device__ static float backward(float x, float grad, const Attrs&) { return grad / (x * 2.3025850929940456f); }
+};
+
+// fxfuse/epilogue.py::tan (backward as torch's from its result: grad (1 + tan(x)^2))
+struct Tan {
+  static constexpr bool calls_libm = true;
+  static constexpr int num_attrs = 0;
+  __device__ static float apply(float x, const Attrs&) { return tanf(x); }
+  __device__ static float backward(float x, float grad, const Attrs&) {
+    const float y = tanf(x);
+    return grad * (1.0f + y * y);
+  }
+};
+
+// fxfuse/epilogue.py::atan
+struct Atan {
+  static constexpr bool calls_libm = true;
+  static constexpr int num_attrs = 0;
+  __device__ static float apply(float x, const Attrs&) { return atanf(x); }
+  __device__ static float backward(float x, float grad, const Attrs&) { return grad / (x * x + 1.0f); }
+};
+
+// fxfuse/epilogue.py::sinh
+struct Sinh {
+  static constexpr bool calls_libm = true;
+  static constexpr int num_attrs = 0;
+  __device__ static float apply(float x, const Attrs&) { return sinhf(x); }
+  __device__ static float backward(float x, float grad, const Attrs&) { return grad * coshf(x); }
+};
+
+// fxfuse/epilogue.py::cosh
+struct Cosh {
+  static constexpr bool calls_libm = true;
+  static constexpr int num_attrs = 0;
+  __device__ static float apply(float x, const Attrs&) { return coshf(x); }
+  __device__ static float backward(float x, float grad, const Attrs&) { return grad * sinhf(x); }
+};
+
+// fxfuse/epilogue.py::asinh (backward: grad rsqrt(x^2 + 1), 0 where x^2 overflows, as torch's)
+struct Asinh {
+  static constexpr bool calls_libm = true;
+  static constexpr int num_attrs = 0;
+  __device__ static float apply(float x, const Attrs&) { return asinhf(x); }
+  __device__ static float backward(float x, float grad, const Attrs&) { return grad * rsqrtf(x * x + 1.0f); }
+};
+
+// fxfuse/epilogue.py::erfc (backward: -2 / sqrt(pi) e^(-x^2) grad, in torch's order)
+struct Erfc {
+  static constexpr bool calls_libm = true;
+  static constexpr int num_attrs = 0;
+  __device__ static float apply(float x, const Attrs&) { return erfcf(x); }
+  __device__ static float backward(float x, float grad, const Attrs&) {
+    return -1.1283791670955126f * expf(-(x * x)) * grad;
+  }
+};
+
+// fxfuse/epilogue.py::sign: (0 < x) - (x < 0), as torch's kernel (0 for NaN and -0); no gradient: exactly 0
+struct Sign {
+  static constexpr int num_attrs = 0;
+  __device__ static float apply(float x, const Attrs&) { return x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : 0.0f); }
+  __device__ static float backward(float, float, const Attrs&) { return 0.0f; }
+};
+
+// fxfuse/epilogue.py::floor (the rounding ops' gradient is exactly 0, torch's zeros_like)
+struct Floor {
+  static constexpr int num_attrs = 0;
+  __device__ static float apply(float x, const Attrs&) { return floorf(x); }
+  __device__ static float backward(float, float, const Attrs&) { return 0.0f; }
+};
+
+// fxfuse/epilogue.py::ceil
+struct Ceil {
+  static constexpr int num_attrs = 0;
+  __device__ static float apply(float x, const Attrs&) { return ceilf(x); }
+  __device__ static float backward(float, float, const Attrs&) { return 0.0f; }
+};
+
+// fxfuse/epilogue.py::trunc
+struct Trunc {
+  static constexpr int num_attrs = 0;
+  __device__ static float apply(float x, const Attrs&) { return truncf(x); }
+  __device__ static float backward(float, float, const Attrs&) { return 0.0f; }
+};
+
+// fxfuse/epilogue.py::round (halves to even: rintf, torch's nearbyint)
+struct Round {
+  static constexpr int num_attrs = 0;
+  __device__ static float apply(float x, const Attrs&) { return rintf(x); }
+  __device__ static float backward(float, float, const Attrs&) { return 0.0f; }
+};
+
+// fxfuse/epilogue.py::frac: x - trunc(x), as torch's kernel (NaN for an infinity); the gradient passes
+struct Frac {
+  static constexpr int num_attrs = 0;
+  __device__ static float apply(float x, const Attrs&) { return x - truncf(x); }
+  __device__ static float backward(float, float grad, const Attrs&) { return grad; }
+};
+
+// fxfuse/epilogue.py::logit (a0 = eps; None (NaN) or negative: no clamp), as torch's logit and logit_backward
+// kernels: outside [eps, 1 - eps] the gradient is 0, unclamped NaN outside [0, 1]
+struct Logit {
+  static constexpr bool calls_libm = true;
+  static constexpr int num_attrs = 1;
+  __device__ static float apply(float x, const Attrs& a) {
+    const float low = a.a0, high = 1.0f - a.a0;
+    const float z = a.a0 >= 0.0f ? (x < low ? low : (x > high ? high : x)) : x;  // a NaN x stays NaN
+    return logf(z / (1.0f - z));
+  }
+  __device__ static float backward(float x, float grad, const Attrs& a) {
+    if (a.a0 >= 0.0f) return x < a.a0 || x > 1.0f - a.a0 ? 0.0f : grad / (x * (1.0f - x));
+    return x < 0.0f || x > 1.0f ? NAN : grad / (x * (1.0f - x));
+  }
+};
+
 // ================================================================ binary pointwise: y = F::apply(a, b)
 // F::partials(a, b, da, db): dy/da and dy/db, as torch's autograd formulas (or F::gradients: GivesGradients).
 
@@ -680,7 +815,9 @@ struct ReductionExtraAttrs<F, std::void_t<decltype(F::extra_attrs)>> : std::inte
   X(hardswish, Hardswish) X(hardsigmoid, Hardsigmoid) X(exp, Exp) X(log, Log) X(rsqrt, Rsqrt) X(abs, Abs)              \
   X(pow, Pow) X(sqrt, Sqrt) X(reciprocal, Reciprocal) X(erf, Erf) X(log1p, Log1p) X(expm1, Expm1) X(sin, Sin)          \
   X(cos, Cos) X(log_sigmoid, LogSigmoid) X(softsign, Softsign) X(tanhshrink, Tanhshrink) X(threshold, Threshold)       \
-  X(hardshrink, Hardshrink) X(softshrink, Softshrink) X(detach, Detach)
+  X(hardshrink, Hardshrink) X(softshrink, Softshrink) X(detach, Detach) X(exp2, Exp2) X(log2, Log2) X(log10, Log10)    \
+  X(tan, Tan) X(atan, Atan) X(sinh, Sinh) X(cosh, Cosh) X(asinh, Asinh) X(erfc, Erfc) X(sign, Sign) X(floor, Floor)    \
+  X(ceil, Ceil) X(trunc, Trunc) X(round, Round) X(frac, Frac) X(logit, Logit)
 
 #define FXFUSE_BINARY_OPS(X) \
   X(add, Add) X(sub, Sub) X(mul, Mul) X(div, Div) X(maximum, Maximum) X(minimum, Minimum) X(prelu, Prelu)

@@ -284,10 +284,10 @@ bool encode_attribute(const Token& t, float& out) {
 bool is_number(const Token& t) { return t.kind == Token::Number || t.kind == Token::Bool; }
 
 // Whether a unary op's attribute is of a kind its reference takes (eager raises TypeError for the others): a number
-// (an int, a float or a bool); None too for clamp's bounds; for gelu's `approximate`, only a string.
+// (an int, a float or a bool); None too for clamp's bounds and logit's eps; for gelu's `approximate`, only a string.
 bool attribute_kind_fits(uint8_t opcode, const Token& t) {
   if (opcode == OP_gelu) return t.kind == Token::String;
-  if (t.kind == Token::None) return opcode == OP_clamp;
+  if (t.kind == Token::None) return opcode == OP_clamp || opcode == OP_logit;
   return is_number(t);
 }
 

@@ -156,9 +156,10 @@ def op_programs(name, n):
                           "batch_norm"))
         elif spec.kind == POINTWISE:
             prefix = "abs(%0);add(%1,0.5);" if spec.positive_domain else ""  # positive, away from 0
-            first = Value(2) if prefix else Value(0)
+            prefix = "sigmoid(%0);" if spec.unit_domain else prefix  # in (0, 1)
+            first = Value(prefix.count(";"))
             # a gradient-free op's result used (its gradient: exactly 0), as no op of its own reads it again
-            result = 3 if prefix else 1
+            result = first.index + 1
             suffix = f";mul(%{result},%{result})" if spec.gradient_free else ""
             cases.append((prefix + str(Instruction(name, (first,), attr_values)) + suffix, "none"))
         elif spec.kind == NORM:

@@ -247,6 +247,46 @@ POINTWISE = [
     case("nn.Hardshrink", "hardshrink(%0,0.3)", lambda m, x, y: m.act(m.fc(x)), act=nn.Hardshrink(0.3)),
     case("F.softshrink", "softshrink(%0,0.25)", linear_then(lambda h: F.softshrink(h, 0.25))),
     case("nn.Softshrink", "softshrink(%0,0.5)", lambda m, x, y: m.act(m.fc(x)), act=nn.Softshrink()),
+    # exp2, log2, log10, tan, atan, sinh, cosh, asinh, erfc, sign, the rounding ops, frac, logit; aliases and in place
+    case("torch.exp2", "exp2(%0)", linear_then(torch.exp2)),
+    case("torch.special.exp2", "exp2(%0)", linear_then(torch.special.exp2)),
+    case("Tensor.exp2_", "exp2_(%1)", linear_then(lambda h: (h * 2).exp2_())),
+    case("torch.log2", "log2(%1)", linear_then(lambda h: torch.log2(h.abs()))),
+    case("Tensor.log10_", "log10_(%1)", linear_then(lambda h: h.abs().log10_())),
+    case("torch.tan", "tan(%0)", linear_then(torch.tan)),
+    case("Tensor.tan_", "tan_(%1)", linear_then(lambda h: (h * 2).tan_())),
+    case("torch.atan", "atan(%0)", linear_then(torch.atan)),
+    case("torch.arctan", "atan(%0)", linear_then(torch.arctan)),
+    case("Tensor.arctan_", "atan_(%1)", linear_then(lambda h: (h * 2).arctan_())),
+    case("torch.sinh", "sinh(%0)", linear_then(torch.sinh)),
+    case("Tensor.cosh", "cosh(%0)", linear_then(lambda h: h.cosh())),
+    case("Tensor.cosh_", "cosh_(%1)", linear_then(lambda h: (h * 2).cosh_())),
+    case("torch.asinh", "asinh(%0)", linear_then(torch.asinh)),
+    case("torch.arcsinh", "asinh(%0)", linear_then(torch.arcsinh)),
+    case("Tensor.arcsinh_", "asinh_(%1)", linear_then(lambda h: (h * 2).arcsinh_())),
+    case("torch.erfc", "erfc(%0)", linear_then(torch.erfc)),
+    case("torch.special.erfc", "erfc(%0)", linear_then(torch.special.erfc)),
+    case("Tensor.erfc_", "erfc_(%1)", linear_then(lambda h: (h * 2).erfc_())),
+    case("torch.sign", "sign(%0)", linear_then(torch.sign)),
+    case("torch.sgn", "sign(%0)", linear_then(torch.sgn)),
+    case("Tensor.sgn_", "sign_(%1)", linear_then(lambda h: (h * 2).sgn_())),
+    case("torch.floor", "floor(%1)", linear_then(lambda h: torch.floor(h * 4))),
+    case("Tensor.ceil_", "ceil_(%1)", linear_then(lambda h: (h * 4).ceil_())),
+    case("torch.trunc", "trunc(%1)", linear_then(lambda h: torch.trunc(h * 4))),
+    case("torch.fix", "trunc(%1)", linear_then(lambda h: torch.fix(h * 4))),
+    case("Tensor.fix_", "trunc_(%1)", linear_then(lambda h: (h * 4).fix_())),
+    case("torch.round", "round(%1)", linear_then(lambda h: torch.round(h * 4))),
+    case("Tensor.round-decimals=0", "round(%1)", linear_then(lambda h: (h * 4).round(decimals=0))),
+    case("Tensor.round_", "round_(%1)", linear_then(lambda h: (h * 4).round_())),
+    case("torch.frac", "frac(%1)", linear_then(lambda h: torch.frac(h * 4))),
+    case("Tensor.frac_", "frac_(%1)", linear_then(lambda h: (h * 4).frac_())),
+    case("torch.logit", "logit(%1,None)", linear_then(lambda h: torch.logit(torch.sigmoid(h)))),
+    case("torch.special.logit-eps", "logit(%0,1e-06)", linear_then(lambda h: torch.special.logit(h, eps=1e-6))),
+    case("Tensor.logit_", "logit_(%1,0.25)", linear_then(lambda h: (h * 2).logit_(0.25))),
+    # positive is its input (`+x` too): nothing of it is left
+    case("torch.positive", "relu(%0)", linear_then(lambda h: torch.relu(torch.positive(h)))),
+    case("+x", "relu(%0)", linear_then(lambda h: torch.relu(+h))),
+    case("Tensor.positive", "relu(%0)", linear_then(lambda h: torch.relu(h.positive()))),
     case("torch.rsqrt", "rsqrt", lambda m, x, y: torch.rsqrt(m.fc(x).abs() + 1.0)),
     case("Tensor.rsqrt_", "rsqrt", lambda m, x, y: m.fc(x).abs().add(1.0).rsqrt_()),
     case("torch.abs", "abs", lambda m, x, y: torch.abs(m.fc(x))),
@@ -410,6 +450,11 @@ def test_norm_spelling_fuses(canonical, epilogue, extras):
     optimized = assert_whole_chain_fused(model, (torch.randn(BATCH, IN),))
     (program,) = fused_programs(optimized)
     assert canonical in program, f"expected {canonical} in {program}"
+
+
+def test_round_to_decimals_is_not_fused_and_explain_says_why():
+    model = GemmThen(linear_then(lambda h: torch.round(h, decimals=2)))
+    assert_not_fused(model, (torch.randn(BATCH, IN),), reason="round with decimals=2")
 
 
 def test_instance_norm_of_each_row_of_a_3d_output_fuses():
