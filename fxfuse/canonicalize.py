@@ -878,21 +878,27 @@ def _min(a, inplace):
     return _max_min(a, "minimum")
 
 
-@spelling("(input, other)", functions=(torch.maximum,), methods=("maximum",))
-def _maximum(a, inplace):
-    return _elementwise_extreme(a, "maximum")
+def _of_two_tensors(op: str, functions, methods):
+    """The spellings of an op whose torch function takes two tensors (torch.maximum, torch.hypot), and its in-place
+    methods where torch has them (`h.hypot_(t)`)."""
+    @spelling("(input, other)", functions=functions, methods=methods,
+              inplace_methods=tuple(m + "_" for m in methods if hasattr(torch.Tensor, m + "_")))
+    def handler(a, inplace):
+        if not isinstance(a["other"], fx.Node) or not isinstance(a["input"], fx.Node):
+            raise NotFusible(f"{op} with a number (eager takes tensors only)")
+        return Canonical(op, (a["input"], a["other"]), {}, inplace_of=_inplace(a, inplace))
+    return handler
 
 
-@spelling("(input, other)", functions=(torch.minimum,), methods=("minimum",))
-def _minimum(a, inplace):
-    return _elementwise_extreme(a, "minimum")
+_of_two_tensors("maximum", (torch.maximum,), ("maximum",))
+_of_two_tensors("minimum", (torch.minimum,), ("minimum",))
+_of_two_tensors("fmax", (torch.fmax,), ("fmax",))
+_of_two_tensors("fmin", (torch.fmin,), ("fmin",))
+_of_two_tensors("logaddexp", (torch.logaddexp,), ("logaddexp",))
+_of_two_tensors("logaddexp2", (torch.logaddexp2,), ("logaddexp2",))
+_of_two_tensors("hypot", (torch.hypot,), ("hypot",))
+_of_two_tensors("atan2", (torch.atan2, torch.arctan2), ("atan2", "arctan2"))
 
-
-def _elementwise_extreme(a, op):
-    """torch.maximum / torch.minimum, which take two tensors."""
-    if not isinstance(a["other"], fx.Node) or not isinstance(a["input"], fx.Node):
-        raise NotFusible(f"{op} with a number (eager takes tensors only)")
-    return Canonical(op, (a["input"], a["other"]), {})
 
 
 def _values_of(node: fx.Node) -> Canonical | None:

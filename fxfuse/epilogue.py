@@ -124,6 +124,37 @@ def minimum(a, b):
     return torch.minimum(a, b)
 
 
+@epilogue_op(POINTWISE, takes_numbers=False)
+def fmax(a, b):
+    # The larger, NaN only where both are (maximum's NaN wins).
+    return torch.fmax(a, b)
+
+
+@epilogue_op(POINTWISE, takes_numbers=False)
+def fmin(a, b):
+    return torch.fmin(a, b)
+
+
+@epilogue_op(POINTWISE, takes_numbers=False)
+def logaddexp(a, b):
+    return torch.logaddexp(a, b)
+
+
+@epilogue_op(POINTWISE, takes_numbers=False)
+def logaddexp2(a, b):
+    return torch.logaddexp2(a, b)
+
+
+@epilogue_op(POINTWISE, takes_numbers=False)
+def hypot(a, b):
+    return torch.hypot(a, b)
+
+
+@epilogue_op(POINTWISE, takes_numbers=False)
+def atan2(a, b):
+    return torch.atan2(a, b)
+
+
 # ---------------------------------------------------------------- unary pointwise
 
 @epilogue_op(POINTWISE)

@@ -646,6 +646,87 @@ struct Minimum {
   }
 };
 
+// fxfuse/epilogue.py::fmax (the larger; NaN only where both are, as fmaxf and torch's kernel): the gradient to a where
+// a >= b or b is NaN, else to b, as torch's masked_fill selects
+struct Fmax {
+  static constexpr bool takes_numbers = false;
+  static constexpr bool selects_gradient = true;
+  __device__ static float apply(float a, float b) { return fmaxf(a, b); }
+  __device__ static void partials(float a, float b, float& da, float& db) {
+    const bool to_a = a >= b || isnan(b);
+    da = to_a ? 1.0f : 0.0f;
+    db = to_a ? 0.0f : 1.0f;
+  }
+};
+
+// fxfuse/epilogue.py::fmin (as Fmax: to a where a <= b or b is NaN)
+struct Fmin {
+  static constexpr bool takes_numbers = false;
+  static constexpr bool selects_gradient = true;
+  __device__ static float apply(float a, float b) { return fminf(a, b); }
+  __device__ static void partials(float a, float b, float& da, float& db) {
+    const bool to_a = a <= b || isnan(b);
+    da = to_a ? 1.0f : 0.0f;
+    db = to_a ? 0.0f : 1.0f;
+  }
+};
+
+// fxfuse/epilogue.py::logaddexp, as torch's kernel: an infinity beside itself is itself, else
+// max + log1p(e^-|a - b|) (NaN from |a - b|); the partials 1 / (1 + e^(b - a)) and 1 / (1 + e^(a - b)), as torch's
+struct Logaddexp {
+  static constexpr bool calls_libm = true;
+  static constexpr bool takes_numbers = false;
+  __device__ static float apply(float a, float b) {
+    if (isinf(a) && a == b) return a;
+    return fmaxf(a, b) + log1pf(expf(-fabsf(a - b)));
+  }
+  __device__ static void partials(float a, float b, float& da, float& db) {
+    da = 1.0f / (1.0f + expf(b - a));
+    db = 1.0f / (1.0f + expf(a - b));
+  }
+};
+
+// fxfuse/epilogue.py::logaddexp2 (as Logaddexp, in base 2: log1p(2^-|a - b|) / ln 2)
+struct Logaddexp2 {
+  static constexpr bool calls_libm = true;
+  static constexpr bool takes_numbers = false;
+  __device__ static float apply(float a, float b) {
+    if (isinf(a) && a == b) return a;
+    return fmaxf(a, b) + log1pf(exp2f(-fabsf(a - b))) * 1.4426950408889634f;
+  }
+  __device__ static void partials(float a, float b, float& da, float& db) {
+    da = 1.0f / (1.0f + exp2f(b - a));
+    db = 1.0f / (1.0f + exp2f(a - b));
+  }
+};
+
+// fxfuse/epilogue.py::hypot (hypotf: inf for an infinite operand, even beside NaN); partials a / hypot and b / hypot
+// (NaN where both are 0, as torch's grad * a / result)
+struct Hypot {
+  static constexpr bool calls_libm = true;
+  static constexpr bool takes_numbers = false;
+  __device__ static float apply(float a, float b) { return hypotf(a, b); }
+  __device__ static void partials(float a, float b, float& da, float& db) {
+    const float h = hypotf(a, b);
+    da = a / h;
+    db = b / h;
+  }
+};
+
+// fxfuse/epilogue.py::atan2 (a: y, b: x); partials as torch's atan2_backward: b / (a^2 + b^2) and -a / (a^2 + b^2),
+// 0 where a^2 + b^2 is 0
+struct Atan2 {
+  static constexpr bool calls_libm = true;
+  static constexpr bool takes_numbers = false;
+  __device__ static float apply(float a, float b) { return atan2f(a, b); }
+  __device__ static void partials(float a, float b, float& da, float& db) {
+    const float squares = a * a + b * b;
+    const float r = squares == 0.0f ? 0.0f : 1.0f / squares;
+    da = b * r;
+    db = -a * r;
+  }
+};
+
 // fxfuse/epilogue.py::prelu (b: the slope; a NaN x is not > 0, so it stays NaN, as in torch's kernel)
 struct Prelu {
   static constexpr bool takes_numbers = false;
@@ -819,8 +900,9 @@ struct ReductionExtraAttrs<F, std::void_t<decltype(F::extra_attrs)>> : std::inte
   X(tan, Tan) X(atan, Atan) X(sinh, Sinh) X(cosh, Cosh) X(asinh, Asinh) X(erfc, Erfc) X(sign, Sign) X(floor, Floor)    \
   X(ceil, Ceil) X(trunc, Trunc) X(round, Round) X(frac, Frac) X(logit, Logit)
 
-#define FXFUSE_BINARY_OPS(X) \
-  X(add, Add) X(sub, Sub) X(mul, Mul) X(div, Div) X(maximum, Maximum) X(minimum, Minimum) X(prelu, Prelu)
+#define FXFUSE_BINARY_OPS(X)                                                                                         \
+  X(add, Add) X(sub, Sub) X(mul, Mul) X(div, Div) X(maximum, Maximum) X(minimum, Minimum) X(prelu, Prelu)            \
+  X(fmax, Fmax) X(fmin, Fmin) X(logaddexp, Logaddexp) X(logaddexp2, Logaddexp2) X(hypot, Hypot) X(atan2, Atan2)
 
 #define FXFUSE_FEATURE_AFFINE_OPS(X) X(batch_norm, BatchNorm)
 

@@ -14,11 +14,11 @@
 // (launch_kernel, interpreter.cuh). dev/NOTES.md has the measurements of each choice (variants 31-49, 78).
 //
 // Four builds per storage type and VALUES, chosen by the launcher: WHOLE_ROWS (features == TPR * VALUES, as for
-// 1024, 2048, 4096 or 8192 features) compiles the chunk masks away; ALL_UNARY_OPS false leaves out the unary ops
-// that call libdevice (CallsLibm), whose code slowed every other program by 4-12% (variant 42). On whole rows, the
-// programs of FXFUSE_ROW_CHAINS (program_format.cuh) run chain_row_kernel instead: the same row loop with each
-// instruction's op fixed at compile time (fast_op), no dispatch (11-25% less time than interpreted, variant 57); a
-// chain's last whole-row min (amin or min_dim) folds by atomics in shared memory, without barriers (fold_row_min).
+// 1024, 2048, 4096 or 8192 features) compiles the chunk masks away; WITH_LIBM_OPS false leaves out the unary and
+// binary ops that call libdevice (CallsLibm), whose code slowed every other program by 4-12% (variant 42). On whole
+// rows, the programs of FXFUSE_ROW_CHAINS (program_format.cuh) run chain_row_kernel instead: the same row loop with
+// each instruction's op fixed at compile time (fast_op), no dispatch (11-25% less time than interpreted, variant 57);
+// a chain's last whole-row min (amin or min_dim) folds by atomics in shared memory, without barriers (fold_row_min).
 //
 // Limits (fits_fast_row_kernel says whether a program qualifies; the launcher in gemm_epilogue.cpp falls back to
 // row_program_kernel otherwise): rows of whole 16-byte vectors, no slots, no batch_norm, groups that the lanes
@@ -333,11 +333,11 @@ __device__ __forceinline__ void fast_op(const Ctx& ctx, const Instruction& ins, 
 }
 
 // One instruction of an interpreted program.
-template <class S, bool WHOLE_ROWS, bool ALL_UNARY_OPS, typename Ctx, int CHUNKS, int VEC>
+template <class S, bool WHOLE_ROWS, bool WITH_LIBM_OPS, typename Ctx, int CHUNKS, int VEC>
 __device__ __forceinline__ void fast_instruction(const Ctx& ctx, const Instruction& ins, Values<CHUNKS, VEC>& cur,
                                                  FastRowShared<CHUNKS>& shared) {
   if (is_unary(ins.op)) {  // one range test before the unary ops' own switch, not a place in the flat one
-    run_unary<ALL_UNARY_OPS>(ins, cur);
+    run_unary<WITH_LIBM_OPS>(ins, cur);
     return;
   }
   switch (ins.op) {
@@ -345,8 +345,14 @@ __device__ __forceinline__ void fast_instruction(const Ctx& ctx, const Instructi
   case OP_##name:                                                \
     fast_op<S, WHOLE_ROWS, OP_##name>(ctx, ins, cur, shared);    \
     break;
-    FXFUSE_BINARY_OPS(FXFUSE_FAST_CASE)
+#define FXFUSE_FAST_BINARY_CASE(name, F)                                                 \
+  case OP_##name:                                                                        \
+    if constexpr (WITH_LIBM_OPS || !CallsLibm<F>::value)                                 \
+      fast_op<S, WHOLE_ROWS, OP_##name>(ctx, ins, cur, shared);                          \
+    break;
+    FXFUSE_BINARY_OPS(FXFUSE_FAST_BINARY_CASE)
     FXFUSE_NORM_OPS(FXFUSE_FAST_CASE)
+#undef FXFUSE_FAST_BINARY_CASE
 #undef FXFUSE_FAST_CASE
 #define FXFUSE_REDUCTION_LABEL(name, F) case OP_##name:
     FXFUSE_REDUCTION_OPS(FXFUSE_REDUCTION_LABEL)
@@ -469,12 +475,12 @@ __device__ __forceinline__ void run_rows(const RowProgram& prog, RunProgram run_
 }
 
 // Any program the fast kernel takes, interpreted: one dispatch per instruction.
-template <class S, int VALUES, bool WHOLE_ROWS, bool ALL_UNARY_OPS>
+template <class S, int VALUES, bool WHOLE_ROWS, bool WITH_LIBM_OPS>
 __global__ void __launch_bounds__(fast_row_threads(VALUES), 1)
     fast_row_kernel(const __grid_constant__ RowProgram prog) {
   run_rows<S, VALUES, WHOLE_ROWS>(prog, [&](const auto& ctx, auto& cur, auto& shared) {
     for (int pc = 0; pc < prog.num_instructions; ++pc)
-      fast_instruction<S, WHOLE_ROWS, ALL_UNARY_OPS>(ctx, prog.code[pc], cur, shared);
+      fast_instruction<S, WHOLE_ROWS, WITH_LIBM_OPS>(ctx, prog.code[pc], cur, shared);
   });
 }
 
@@ -529,13 +535,13 @@ RowKernel chain_kernel(const RowProgram& prog) {
 template <class S, int VALUES>
 bool launch_fast_row_program(const RowProgram& prog, const RowLaunch& launch, cudaStream_t stream) {
   const bool whole_rows = prog.features == prog.threads_per_row * VALUES;
-  const bool all_unary_ops = uses_libm_unary_op(prog);
+  const bool with_libm_ops = uses_libm_op(prog);
   RowKernel kernel = whole_rows ? chain_kernel<S, VALUES, false>(prog) : nullptr;
   const bool chained = kernel != nullptr;
   if (kernel == nullptr)
-    kernel = whole_rows ? (all_unary_ops ? fast_row_kernel<S, VALUES, true, true>
+    kernel = whole_rows ? (with_libm_ops ? fast_row_kernel<S, VALUES, true, true>
                                          : fast_row_kernel<S, VALUES, true, false>)
-                        : (all_unary_ops ? fast_row_kernel<S, VALUES, false, true>
+                        : (with_libm_ops ? fast_row_kernel<S, VALUES, false, true>
                                          : fast_row_kernel<S, VALUES, false, false>);
   const int threads = launch.rows_per_block * prog.threads_per_row;
   RowProgram sized = prog;

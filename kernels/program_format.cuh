@@ -288,9 +288,9 @@ inline bool fits_fast_row_kernel(const RowProgram& prog, int slots_used) {
   return true;
 }
 
-// Whether a program uses a unary op that calls libdevice (CallsLibm): the fast row kernel's build without them
-// does not take it.
-inline bool uses_libm_unary_op(const RowProgram& prog) {
+// Whether a program uses a unary or binary op that calls libdevice (CallsLibm): the fast row kernel's build without
+// them does not take it.
+inline bool uses_libm_op(const RowProgram& prog) {
   for (int pc = 0; pc < prog.num_instructions; ++pc) {
     switch (prog.code[pc].op) {
 #define FXFUSE_LIBM_CASE(name, F)         \
@@ -298,6 +298,7 @@ inline bool uses_libm_unary_op(const RowProgram& prog) {
     if (CallsLibm<F>::value) return true; \
     break;
       FXFUSE_UNARY_OPS(FXFUSE_LIBM_CASE)
+      FXFUSE_BINARY_OPS(FXFUSE_LIBM_CASE)
 #undef FXFUSE_LIBM_CASE
       default:
         break;

@@ -284,7 +284,7 @@ def test_rows_that_are_not_whole_vectors(n, precision):
 
 ROW_KERNEL_CHOICES = [  # (program, n, param kinds, the row kernel that must run)
     # the fast kernel: "fast", then "whole" (rows of TPR * its values a thread) or "part", then "all" (every unary
-    # op compiled in) or "light" (none that calls libdevice)
+    # and binary op compiled in) or "light" (none that calls libdevice)
     # "chain": a program of FXFUSE_ROW_CHAINS on whole rows, compiled whole ("min by atomics": its last row min)
     ("add(%0,$0);hardtanh(%1,-1.0,1.0);mish(%2);group_norm(%3,$1,$2,16,1e-05)", 1024, ["feature", "affine"], "chain"),
     # a warp's row at 16 values a thread in every dtype (16-bit rows take 32 past 512 features)
@@ -296,6 +296,8 @@ ROW_KERNEL_CHOICES = [  # (program, n, param kinds, the row kernel that must run
     ("gelu(%0,'none');layer_norm(%1,$0,$1,1e-05)", 1000, ["affine"], "fast part all"),
     ("exp(%0);group_norm(%1,$0,$1,4,1e-05)", 2048, ["affine"], "fast whole all"),  # groups of 512 across warps
     ("layer_norm(%0,$0,$1,1e-05);relu(%1)", 4096, ["affine"], "fast whole light"),  # whole rows across warps
+    ("hypot(%0,$0);layer_norm(%1,$1,$2,1e-05)", 1000, ["feature", "affine"], "fast part all"),  # a libm binary op
+    ("fmax(%0,$0);layer_norm(%1,$1,$2,1e-05)", 1000, ["feature", "affine"], "fast part light"),
     ("sigmoid(%0);mul(%0,%1)", 1000, [], "lean"),                           # a slot keeps x
     ("add(%0,$0);layer_norm(%1,None,None,1e-05)", 1024, ["full"], "lean"),  # a param per element
     ("add(%0,$0);layer_norm(%1,$1,$2,1e-05)", 1001, ["feature", "affine"], "general"),  # rows not whole vectors
@@ -310,9 +312,9 @@ def row_kernel_kind(name: str) -> str:
     if "chain_row_kernel" in name:
         return "chain, min by atomics" if ", true," in name else "chain"
     if "fast_row_kernel" in name:
-        _storage, _values, whole_rows, all_unary_ops = name.split("<")[1].split(">")[0].split(", ")
+        _storage, _values, whole_rows, with_libm_ops = name.split("<")[1].split(">")[0].split(", ")
         rows = "whole" if whole_rows == "true" else "part"
-        return f"fast {rows} {'all' if all_unary_ops == 'true' else 'light'}"
+        return f"fast {rows} {'all' if with_libm_ops == 'true' else 'light'}"
     return "general" if ", true>" in name else "lean"
 
 

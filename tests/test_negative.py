@@ -240,8 +240,9 @@ def test_a_result_that_depends_on_the_gemm_only_through_detach_is_not_fused_with
 
 @pytest.mark.parametrize("example_inputs", [True, False], ids=["shapes", "no-shapes"])
 @pytest.mark.parametrize("epilogue", [lambda m, x, y: torch.maximum(m.fc(x), y),
-                                      lambda m, x, y: torch.minimum(y, m.fc(x)), lambda m, x, y: F.prelu(m.fc(x), y)],
-                         ids=["maximum", "minimum-first", "prelu"])
+                                      lambda m, x, y: torch.minimum(y, m.fc(x)), lambda m, x, y: F.prelu(m.fc(x), y),
+                                      lambda m, x, y: torch.hypot(m.fc(x), y)],
+                         ids=["maximum", "minimum-first", "prelu", "hypot"])
 def test_a_number_where_the_op_takes_a_tensor_only_raises_eagers_error(epilogue, example_inputs):
     """A forward argument passed as a number becomes a 0-d tensor for the fused op (number_as_tensor); torch.maximum's
     operands and prelu's slopes take no number, and eager raises there."""
