@@ -900,6 +900,12 @@ _of_two_tensors("hypot", (torch.hypot,), ("hypot",))
 _of_two_tensors("atan2", (torch.atan2, torch.arctan2), ("atan2", "arctan2"))
 
 
+@spelling("(input, other)", functions=(torch.copysign,), methods=("copysign",), inplace_methods=("copysign_",))
+def _copysign(a, inplace):
+    if not isinstance(a["input"], fx.Node):  # its sign may be a number; its magnitude not
+        raise NotFusible("copysign of a number (eager takes a tensor first)")
+    return Canonical("copysign", (a["input"], a["other"]), {}, inplace_of=_inplace(a, inplace))
+
 
 def _values_of(node: fx.Node) -> Canonical | None:
     """`torch.min(x, 1, True)[0]` and `x.min(dim=1).values` are the row reduction min_dim."""

@@ -44,8 +44,9 @@ class EpilogueOp:
     # Defined, or well conditioned, on (0, 1) (logit; tan, whose poles are at +-pi/2): the tests feed it values
     # there.
     unit_domain: bool = False
-    # A binary op that takes a number for one operand (add, mul...); torch.maximum takes two tensors.
-    takes_numbers: bool = True
+    # The operands of a binary op that may be a number: either of add's, mul's...; copysign's sign only; none of
+    # torch.maximum's, which takes two tensors.
+    number_operands: tuple[int, ...] = (0, 1)
     # Passes its value on but no gradient (detach): a region's result must also depend on the GEMM through other ops
     # (match.py), and the generic tests use it beside its input, as `h + h.detach()`.
     gradient_free: bool = False
@@ -72,7 +73,7 @@ EPILOGUE_OPS: dict[str, EpilogueOp] = {}
 
 
 def epilogue_op(kind: str, *, samples=({},), feature_operands=(), feature_dim_attr=None, positive_domain=False,
-                unit_domain=False, takes_numbers=True, over_one_feature=None, gradient_free=False,
+                unit_domain=False, number_operands=(0, 1), over_one_feature=None, gradient_free=False,
                 autocast_lower_precision=False, raises_for_another_dtype=False):
     """Register a reference function as a canonical epilogue op named after the function."""
 
@@ -84,7 +85,7 @@ def epilogue_op(kind: str, *, samples=({},), feature_operands=(), feature_dim_at
             name=fn.__name__, kind=kind, operands=operands, attrs=attrs, reference=fn,
             feature_operands=frozenset(feature_operands), samples=tuple(samples),
             feature_dim_attr=feature_dim_attr, positive_domain=positive_domain, unit_domain=unit_domain,
-            takes_numbers=takes_numbers, over_one_feature=over_one_feature, gradient_free=gradient_free,
+            number_operands=tuple(number_operands), over_one_feature=over_one_feature, gradient_free=gradient_free,
             autocast_lower_precision=autocast_lower_precision, raises_for_another_dtype=raises_for_another_dtype)
         return fn
 
@@ -114,45 +115,51 @@ def div(a, b):
     return operator.truediv(a, b)
 
 
-@epilogue_op(POINTWISE, takes_numbers=False)
+@epilogue_op(POINTWISE, number_operands=())
 def maximum(a, b):
     return torch.maximum(a, b)
 
 
-@epilogue_op(POINTWISE, takes_numbers=False)
+@epilogue_op(POINTWISE, number_operands=())
 def minimum(a, b):
     return torch.minimum(a, b)
 
 
-@epilogue_op(POINTWISE, takes_numbers=False)
+@epilogue_op(POINTWISE, number_operands=())
 def fmax(a, b):
     # The larger, NaN only where both are (maximum's NaN wins).
     return torch.fmax(a, b)
 
 
-@epilogue_op(POINTWISE, takes_numbers=False)
+@epilogue_op(POINTWISE, number_operands=())
 def fmin(a, b):
     return torch.fmin(a, b)
 
 
-@epilogue_op(POINTWISE, takes_numbers=False)
+@epilogue_op(POINTWISE, number_operands=())
 def logaddexp(a, b):
     return torch.logaddexp(a, b)
 
 
-@epilogue_op(POINTWISE, takes_numbers=False)
+@epilogue_op(POINTWISE, number_operands=())
 def logaddexp2(a, b):
     return torch.logaddexp2(a, b)
 
 
-@epilogue_op(POINTWISE, takes_numbers=False)
+@epilogue_op(POINTWISE, number_operands=())
 def hypot(a, b):
     return torch.hypot(a, b)
 
 
-@epilogue_op(POINTWISE, takes_numbers=False)
+@epilogue_op(POINTWISE, number_operands=())
 def atan2(a, b):
     return torch.atan2(a, b)
+
+
+@epilogue_op(POINTWISE, number_operands=(1,))
+def copysign(a, b):
+    # a's magnitude with b's sign (b's sign bit: -0.0 and a NaN's too); b gets no gradient.
+    return torch.copysign(a, b)
 
 
 # ---------------------------------------------------------------- unary pointwise

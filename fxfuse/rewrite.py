@@ -396,7 +396,7 @@ def _taking_no_number(program, param: int) -> tuple:
         spec = EPILOGUE_OPS[ins.op.rstrip("_")]
         for position, operand in enumerate(ins.operands[:len(spec.operands)]):
             if operand == Param(param) and spec.kind == POINTWISE and not spec.attrs and \
-                    (not spec.takes_numbers or spec.operands[position] in spec.feature_operands):
+                    (position not in spec.number_operands or spec.operands[position] in spec.feature_operands):
                 uses.append((spec.name, position))
     return tuple(uses)
 

@@ -85,6 +85,14 @@ struct TakesNumbers : std::true_type {};
 template <class F>
 struct TakesNumbers<F, std::void_t<decltype(F::takes_numbers)>> : std::bool_constant<F::takes_numbers> {};
 
+// Whether a binary op that takes numbers takes one for its first operand too: all but those that say
+// `takes_number_first = false`, whose torch functions take a number for the second only (torch.copysign's sign).
+template <class F, class = void>
+struct TakesNumberFirst : TakesNumbers<F> {};
+template <class F>
+struct TakesNumberFirst<F, std::void_t<decltype(F::takes_number_first)>>
+    : std::bool_constant<F::takes_number_first> {};
+
 // Whether a binary op's gradient is a select, as torch's maximum / minimum (masked_fill_ of the loser to 0): a partial
 // of 0 then gives exactly 0, not grad * 0 (NaN for an infinite or NaN grad). It says so with
 // `static constexpr bool selects_gradient = true`.
@@ -727,6 +735,18 @@ struct Atan2 {
   }
 };
 
+// fxfuse/epilogue.py::copysign (copysignf: a's magnitude with b's sign bit, -0's and NaN's too, as torch's kernel);
+// a's gradient as torch's copysign_tensor_self_backward, grad copysign(a, b) / a with 0 where a is 0; b's exactly 0
+struct Copysign {
+  static constexpr bool takes_number_first = false;
+  static constexpr bool gives_gradients = true;
+  __device__ static float apply(float a, float b) { return copysignf(a, b); }
+  __device__ static void gradients(float a, float b, float grad, float& grad_a, float& grad_b) {
+    grad_a = grad * (a == 0.0f ? 0.0f : copysignf(a, b) / a);
+    grad_b = 0.0f;
+  }
+};
+
 // fxfuse/epilogue.py::prelu (b: the slope; a NaN x is not > 0, so it stays NaN, as in torch's kernel)
 struct Prelu {
   static constexpr bool takes_numbers = false;
@@ -902,7 +922,8 @@ struct ReductionExtraAttrs<F, std::void_t<decltype(F::extra_attrs)>> : std::inte
 
 #define FXFUSE_BINARY_OPS(X)                                                                                         \
   X(add, Add) X(sub, Sub) X(mul, Mul) X(div, Div) X(maximum, Maximum) X(minimum, Minimum) X(prelu, Prelu)            \
-  X(fmax, Fmax) X(fmin, Fmin) X(logaddexp, Logaddexp) X(logaddexp2, Logaddexp2) X(hypot, Hypot) X(atan2, Atan2)
+  X(fmax, Fmax) X(fmin, Fmin) X(logaddexp, Logaddexp) X(logaddexp2, Logaddexp2) X(hypot, Hypot) X(atan2, Atan2)      \
+  X(copysign, Copysign)
 
 #define FXFUSE_FEATURE_AFFINE_OPS(X) X(batch_norm, BatchNorm)
 

@@ -34,7 +34,8 @@ struct OpInfo {
   int operands;
   int attrs;
   NormAttrs norm_attrs;
-  bool takes_numbers;  // a binary op: whether an operand may be a number (torch.maximum's may not)
+  bool takes_numbers;       // a binary op: whether an operand may be a number (torch.maximum's may not)
+  bool takes_number_first;  // ... and its first one too (torch.copysign's may not)
 };
 
 constexpr int norm_operands(NormAttrs a) {
@@ -42,14 +43,14 @@ constexpr int norm_operands(NormAttrs a) {
 }
 constexpr int norm_attr_count(NormAttrs a) { return a == NormAttrs::GroupsEps || a == NormAttrs::DimEps ? 2 : 1; }
 
-#define FXFUSE_UNARY_INFO(name, F) {#name, OP_##name, Category::Unary, 1, F::num_attrs, NormAttrs::Eps, false},
+#define FXFUSE_UNARY_INFO(name, F) {#name, OP_##name, Category::Unary, 1, F::num_attrs, NormAttrs::Eps, false, false},
 #define FXFUSE_BINARY_INFO(name, F) \
-  {#name, OP_##name, Category::Binary, 2, 0, NormAttrs::Eps, TakesNumbers<F>::value},
-#define FXFUSE_AFFINE_INFO(name, F) {#name, OP_##name, Category::FeatureAffine, 5, 1, NormAttrs::Eps, false},
+  {#name, OP_##name, Category::Binary, 2, 0, NormAttrs::Eps, TakesNumbers<F>::value, TakesNumberFirst<F>::value},
+#define FXFUSE_AFFINE_INFO(name, F) {#name, OP_##name, Category::FeatureAffine, 5, 1, NormAttrs::Eps, false, false},
 #define FXFUSE_NORM_INFO(name, F) \
-  {#name, OP_##name, Category::Norm, norm_operands(F::attrs), norm_attr_count(F::attrs), F::attrs, false},
+  {#name, OP_##name, Category::Norm, norm_operands(F::attrs), norm_attr_count(F::attrs), F::attrs, false, false},
 #define FXFUSE_REDUCTION_INFO(name, F) \
-  {#name, OP_##name, Category::Reduction, 1, 2 + ReductionExtraAttrs<F>::value, NormAttrs::Dim, false},
+  {#name, OP_##name, Category::Reduction, 1, 2 + ReductionExtraAttrs<F>::value, NormAttrs::Dim, false, false},
 const OpInfo kOps[] = {FXFUSE_UNARY_OPS(FXFUSE_UNARY_INFO) FXFUSE_BINARY_OPS(FXFUSE_BINARY_INFO)
                            FXFUSE_FEATURE_AFFINE_OPS(FXFUSE_AFFINE_INFO) FXFUSE_NORM_OPS(FXFUSE_NORM_INFO)
                                FXFUSE_REDUCTION_OPS(FXFUSE_REDUCTION_INFO)};
@@ -488,7 +489,9 @@ std::string bind_phase(const Context& ctx, Binding& b, std::vector<Shape>& shape
           other_shape = param.sizes().vec();
           ins.other = OTHER_PARAM;
         } else if (is_number(*other)) {
-          if (!pi.op->takes_numbers) return "a number operand, which its op does not take" + where;
+          // reversed: the number is the first operand
+          if (!pi.op->takes_numbers || (ins.reversed && !pi.op->takes_number_first))
+            return "a number operand, which its op does not take" + where;
           ins.other = OTHER_SCALAR;
           ins.attrs.a0 = static_cast<float>(other->number);
         } else {

@@ -143,7 +143,7 @@ def op_programs(name, n):
         if spec.is_binary:
             # a GEMM output divisor is kept away from 0 (1 / x near 0 amplifies the GEMM's own rounding)
             prefix, v = ("abs(%0);add(%1,1.0);", Value(2)) if name == "div" else ("", Value(0))
-            numbers = [(v, 2.5), (1.5, v)] if spec.takes_numbers else []
+            numbers = [(v, 2.5)] * (1 in spec.number_operands) + [(1.5, v)] * (0 in spec.number_operands)
             for a, b in [(v, Param(0)), (Param(0), v), *numbers, (v, v)]:
                 cases.append((prefix + str(Instruction(name, (a, b), ())), "feature"))
             cases.append((str(Instruction(name, (Value(0), Param(0)), ())), "full"))
@@ -399,7 +399,7 @@ def chain_program(names, variant):
         attr_values = tuple(attrs[a] for a in spec.attrs)
         current, param = Value(position), Param(sum(2 if kind == "affine" else 1 for kind in kinds))
         if spec.is_binary:
-            with_number = (current, 2.5) if spec.takes_numbers else (param, current)
+            with_number = (current, 2.5) if 1 in spec.number_operands else (param, current)
             operands = [(current, param), (param, current), with_number, (current, current)][variant % 4]
             kinds += ["feature"] if param in operands else []
         elif spec.kind == NORM:

@@ -241,8 +241,9 @@ def test_a_result_that_depends_on_the_gemm_only_through_detach_is_not_fused_with
 @pytest.mark.parametrize("example_inputs", [True, False], ids=["shapes", "no-shapes"])
 @pytest.mark.parametrize("epilogue", [lambda m, x, y: torch.maximum(m.fc(x), y),
                                       lambda m, x, y: torch.minimum(y, m.fc(x)), lambda m, x, y: F.prelu(m.fc(x), y),
-                                      lambda m, x, y: torch.hypot(m.fc(x), y)],
-                         ids=["maximum", "minimum-first", "prelu", "hypot"])
+                                      lambda m, x, y: torch.hypot(m.fc(x), y),
+                                      lambda m, x, y: torch.copysign(y, m.fc(x))],
+                         ids=["maximum", "minimum-first", "prelu", "hypot", "copysign-magnitude"])
 def test_a_number_where_the_op_takes_a_tensor_only_raises_eagers_error(epilogue, example_inputs):
     """A forward argument passed as a number becomes a 0-d tensor for the fused op (number_as_tensor); torch.maximum's
     operands and prelu's slopes take no number, and eager raises there."""
@@ -253,6 +254,16 @@ def test_a_number_where_the_op_takes_a_tensor_only_raises_eagers_error(epilogue,
         model(rows(), 0.5)
     with pytest.raises(TypeError, match=re.escape(str(eager.value))):
         optimized(rows(), 0.5)
+
+
+@pytest.mark.parametrize("example_inputs", [True, False], ids=["shapes", "no-shapes"])
+def test_a_number_for_copysigns_sign_computes_as_eager(example_inputs):
+    """copysign takes a number for its sign (its second operand), not for its magnitude (above)."""
+    model = GemmThen(lambda m, x, y: torch.copysign(m.fc(x), y))
+    optimized = fxfuse.optimize(model, (rows(), torch.rand(OUT)) if example_inputs else None)
+    assert fused_op_count(optimized) == 1
+    x = rows()
+    torch.testing.assert_close(optimized(x, -0.5), model(x, -0.5), rtol=0, atol=0)
 
 
 def test_min_whose_indices_are_used_too():

@@ -58,9 +58,10 @@ def cases():
             label = ",".join(f"{k}={v}" for k, v in attrs.items())
             if spec.is_binary:
                 kinds = ((lambda: nn.Parameter(torch.randn(OUT)), "vector"), (lambda: 2.5, "scalar"))
-                for operand, kind in kinds if spec.takes_numbers else kinds[:1]:
-                    for first in (0, 1):
-                        yield pytest.param(name, attrs, operand, first, id=f"{name}-{kind}-{'ab'[first]}-first")
+                for operand, kind in kinds:
+                    for first in (0, 1):  # the region value's position; a number takes the other's
+                        if kind == "vector" or 1 - first in spec.number_operands:
+                            yield pytest.param(name, attrs, operand, first, id=f"{name}-{kind}-{'ab'[first]}-first")
             elif others:
                 yield pytest.param(name, attrs, lambda others=others: [per_feature(o) for o in others], 0,
                                    id=f"{name}-{label}-with-tensors")
