@@ -904,6 +904,8 @@ _of_two_tensors("atan2", (torch.atan2, torch.arctan2), ("atan2", "arctan2"))
 def _copysign(a, inplace):
     if not isinstance(a["input"], fx.Node):  # its sign may be a number; its magnitude not
         raise NotFusible("copysign of a number (eager takes a tensor first)")
+    if isinstance(a["other"], float) and math.isnan(a["other"]):
+        raise NotFusible("copysign with a NaN sign: the program's text does not keep a NaN's sign bit")
     return Canonical("copysign", (a["input"], a["other"]), {}, inplace_of=_inplace(a, inplace))
 
 

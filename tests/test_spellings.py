@@ -466,6 +466,12 @@ def test_norm_spelling_fuses(canonical, epilogue, extras):
     assert canonical in program, f"expected {canonical} in {program}"
 
 
+def test_copysign_with_a_nan_sign_is_not_fused_and_explain_says_why():
+    """`nan` in a program's text is positive; eager copies -nan's sign bit."""
+    model = GemmThen(linear_then(lambda h: torch.copysign(h, -math.nan)))
+    assert_not_fused(model, (torch.randn(BATCH, IN),), reason="copysign with a NaN sign")
+
+
 def test_round_to_decimals_is_not_fused_and_explain_says_why():
     model = GemmThen(linear_then(lambda h: torch.round(h, decimals=2)))
     assert_not_fused(model, (torch.randn(BATCH, IN),), reason="round with decimals=2")
