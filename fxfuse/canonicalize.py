@@ -202,8 +202,8 @@ _unary("trunc", (torch.trunc, torch.fix), _optional("trunc_", "fix_"), ("trunc",
 _unary("frac", (torch.frac,), _optional("frac_"), ("frac",))
 
 
-@spelling("(input, *, decimals=0)", functions=(torch.round,), inplace_functions=_optional("round_"),
-          methods=("round",), inplace_methods=("round_",))
+@spelling("(input, *, decimals=0)", functions=(torch.round, torch.special.round),
+          inplace_functions=_optional("round_"), methods=("round",), inplace_methods=("round_",))
 def _round(a, inplace):
     decimals = a["decimals"]
     if isinstance(decimals, bool) or not isinstance(decimals, int) or decimals != 0:

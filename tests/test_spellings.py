@@ -278,6 +278,7 @@ POINTWISE = [
     case("torch.round", "round(%1)", linear_then(lambda h: torch.round(h * 4))),
     case("Tensor.round-decimals=0", "round(%1)", linear_then(lambda h: (h * 4).round(decimals=0))),
     case("Tensor.round_", "round_(%1)", linear_then(lambda h: (h * 4).round_())),
+    case("torch.special.round", "round(%1)", linear_then(lambda h: torch.special.round(h * 4, decimals=0))),
     case("torch.frac", "frac(%1)", linear_then(lambda h: torch.frac(h * 4))),
     case("Tensor.frac_", "frac_(%1)", linear_then(lambda h: (h * 4).frac_())),
     case("torch.logit", "logit(%1,None)", linear_then(lambda h: torch.logit(torch.sigmoid(h)))),
