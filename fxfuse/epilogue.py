@@ -413,7 +413,8 @@ def frac(x):
     return torch.frac(x)
 
 
-@epilogue_op(POINTWISE, samples=({"eps": None}, {"eps": 1e-6}, {"eps": 0.25}), unit_domain=True)
+# eps 2^-7: 1 - eps is exact in float32 (1 - 1e-6 is not, which puts a clamped value's logit 1e-4 off float64's)
+@epilogue_op(POINTWISE, samples=({"eps": None}, {"eps": 0.0078125}, {"eps": 0.25}), unit_domain=True)
 def logit(x, *, eps):
     # log(z / (1 - z)), z = x clamped to [eps, 1 - eps] (None: not clamped, NaN outside [0, 1]).
     return torch.logit(x, eps)
