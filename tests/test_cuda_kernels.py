@@ -230,11 +230,13 @@ def test_special_values_come_out_as_in_the_reference(name, dtype):
             first = tuple(int(i) for i in mismatch.nonzero()[0])
             pytest.fail(f"{program}: {int(mismatch.sum())} elements differ in kind from the reference; first at "
                         f"{first}: got {got[first].item()!r}, reference {ref[first].item()!r}")
-        error = relative_error(got.nan_to_num(), ref.nan_to_num())
+        # over the reference's finite elements (the kinds above hold for the rest): nan_to_num made its infinities
+        # 1.8e308, whose norm let any error of floor, round or hardshrink pass
+        error = relative_error(got, ref)
         bound = BOUNDS["fp32" if dtype == torch.float32 else dtype]
         if dtype != torch.float32:  # no worse than eager in bf16, whose GEMM output's rounding moves frac's steps too
             eager = run_reference(x, weight, bias, params, program).double()
-            bound = max(bound, 1.5 * relative_error(eager.nan_to_num(), ref.nan_to_num()))
+            bound = max(bound, 1.5 * relative_error(eager, ref))
         assert error <= bound, f"{program}: relative error {error:.3g} > {bound:g}"
 
 
