@@ -53,6 +53,11 @@ def _arch_flags() -> list[str]:
     return flags
 
 
+def build_directory(arch_flags: list[str]) -> Path:
+    """Where the build for these archs lives: its ninja files and objects, the library and its completion mark."""
+    return cache_root() / f"gemm_epilogue-{build_key(arch_flags)}"
+
+
 def build_key(arch_flags: list[str]) -> str:
     digest = hashlib.sha256()
     for path in translation_units(SOURCE_DIR) + sorted(SOURCE_DIR.glob("*.cuh")):
@@ -99,15 +104,14 @@ def load() -> bool:
         return _unavailable_because("nvcc not found, so the CUDA kernels cannot be built")
 
     arch_flags = _arch_flags()
-    key = build_key(arch_flags)
-    name = f"fxfuse_kernels_{key}"
-    build_dir = cache_root() / f"gemm_epilogue-{key}"
+    name = f"fxfuse_kernels_{build_key(arch_flags)}"
+    build_dir = build_directory(arch_flags)
     complete = build_dir / "complete"
     try:
         if not complete.exists():
             build_dir.mkdir(parents=True, exist_ok=True)
             # not build_dir / "lock": cpp_extension's own FileBaton takes that name and would wait on ours forever
-            with open(cache_root() / f"gemm_epilogue-{key}.lock", "w") as lock:
+            with open(build_dir.with_name(build_dir.name + ".lock"), "w") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)  # a concurrent builder finishes first; then we find it complete
                 if not complete.exists():
                     _build(name, build_dir, arch_flags)

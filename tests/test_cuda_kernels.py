@@ -10,6 +10,7 @@ eager's linear, untouched by the epilogue and in memory of its own.
 """
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -844,11 +845,20 @@ def test_a_later_process_loads_the_cached_build_quickly():
 
 def test_two_processes_building_at_once_share_one_build(tmp_path):
     """Two processes load() into an empty cache at the same time: one builds (one line before, one with its time
-    after), the other waits on the file lock and loads that build; both then run the op on the GPU."""
+    after), the other waits on the file lock and loads that build; both then run the op on the GPU. The new cache
+    holds this build's compiled objects and ninja files (no library, no completion mark), so the build is ninja's
+    link alone: the subject is the lock (a compile from nothing, 240 s on the H200, is gpu-check's first load)."""
     script = ("import torch, fxfuse.kernels as k; assert k.load(); "
               "x = torch.randn(5, 24, device='cuda'); w = torch.randn(40, 24, device='cuda'); "
               "out = torch.ops.fxfuse.gemm_epilogue(x, w, None, [], 'relu(%0)'); "
               "torch.testing.assert_close(out, torch.relu(x @ w.t())); print('ran the op')")
+    assert kernels.load()
+    built = kernels.build_directory(kernels._arch_flags())
+    seeded = tmp_path / built.name
+    seeded.mkdir()
+    for path in built.iterdir():
+        if path.suffix == ".o" or path.name in ("build.ninja", ".ninja_log", ".ninja_deps"):
+            shutil.copy2(path, seeded / path.name)
     env = dict(os.environ, FXFUSE_CACHE_DIR=str(tmp_path))
     processes = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   text=True, env=env) for _ in range(2)]
