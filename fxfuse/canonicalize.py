@@ -1363,6 +1363,38 @@ def _into_out(node: fx.Node, c: Canonical, out) -> Canonical:
     return dataclasses.replace(c, inplace_of=out, attrs={**c.attrs, "writes_out": True})
 
 
+_UNSQUEEZE, _FLATTEN = _signature("(input, dim)"), _signature("(input, start_dim=0, end_dim=-1)")
+
+
+def rank_change(node: fx.Node) -> tuple[fx.Node, int | None, int] | None:
+    """(input, offset, least) where `node` reshapes its input to a rank that follows from the input's alone: the
+    result has max(rank + offset, least) dims (offset None: `least` whatever the rank), where eager computes it.
+    `t.unsqueeze(d)`: one more; `t.flatten(s, e)` with dims of one sign: e - s fewer, else (s >= 0, e < 0) s - e of
+    any rank; 0-d flattens to 1-D. None for any other node (`t.squeeze(0)`, whose rank depends on a size)."""
+    if node.op == "call_method" and node.target in ("unsqueeze", "flatten"):
+        name = node.target
+    elif node.op == "call_function" and node.target in (torch.unsqueeze, torch.flatten):
+        name = node.target.__name__
+    else:
+        return None
+    try:
+        bound = (_UNSQUEEZE if name == "unsqueeze" else _FLATTEN).bind(*node.args, **node.kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    values = dict(bound.arguments)
+    source = values.pop("input")
+    if not isinstance(source, fx.Node) or \
+            not all(isinstance(dim, int) and not isinstance(dim, bool) for dim in values.values()):
+        return None
+    if name == "unsqueeze":
+        return source, 1, 1
+    start, end = values["start_dim"], values["end_dim"]
+    if (start >= 0) == (end >= 0):
+        return (source, start - end, 1) if start <= end else None  # (eager raises for start > end)
+    return (source, None, start - end) if start >= 0 else None
+
+
 def _whole_view(node: fx.Node) -> Canonical | None:
     """`t[:, :]`, `t[:]`, `t[...]`: a view of all of `t`, whose shape and elements are `t`'s (`same_tensor`); eager
     raises where `t` has fewer dims than the index's slices (`rank_at_least`)."""

@@ -122,6 +122,10 @@ class Facts:
     inputs_guarded: bool = False
     # Region outputs already replaced by a fused node: canonical records made before still name the old node.
     replaced: dict[fx.Node, fx.Node] = field(default_factory=dict)
+    # Without example inputs, the values that tensor ops make of forward arguments (rewrite's
+    # _ranks_following_arguments: `y.unsqueeze(-1)`, `x.sum(-1, keepdim=True)`): a tensor where those are, a number
+    # where one is, which the rewritten graph makes a tensor (number_as_tensor), as it does a forward argument.
+    made_of_arguments: frozenset = frozenset()
 
     def resolve(self, obj):
         return self.replaced.get(obj, obj) if isinstance(obj, fx.Node) else obj
@@ -282,9 +286,13 @@ class _Growth:
                         "dynamic size, or a tensor's item), which a program cannot hold")
             if known is False:
                 return f"operand {describe(operand)} is not a tensor"
-            # Without example inputs, a graph input (with no default) or a module's result is taken as a tensor.
-            if known is None and operand.op not in ("placeholder", "call_module"):
-                return f"cannot prove that {describe(operand)} is a tensor without example inputs"
+            # Without example inputs, a graph input (with no default), a module's result, or what tensor ops make of
+            # graph inputs is taken as a tensor.
+            if known is None and operand.op not in ("placeholder", "call_module") and \
+                    operand not in self.facts.made_of_arguments:
+                return (f"cannot prove that {describe(operand)} is a tensor without example inputs (of forward "
+                        "arguments, only what pointwise ops, norms, reductions over one dim, unsqueeze and flatten "
+                        "make is)")
         tensor = self.facts.tensor(operand)
         if tensor is not None and tensor.dtype != dtype:
             value = torch.empty(0, dtype=dtype, device="meta")

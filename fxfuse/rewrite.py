@@ -20,7 +20,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .canonicalize import (IDENTITY, LINEAR, Attr, augmented_assignment, canonicalize, has_call_hooks, hooks_of,
-                           restore_readers_outside_regions)
+                           rank_change, restore_readers_outside_regions)
 from .epilogue import EPILOGUE_OPS, NORM, POINTWISE, REDUCTION
 from .library import gemm_epilogue, gemm_epilogue_train
 from .match import Facts, Region, find_region, module_tensor, module_tensor_path
@@ -276,11 +276,15 @@ def require_argument_rank(value, rank: int, what: str) -> None:
         raise NotOptimizedForThisCall(_rank_message(value.dim(), rank, what))
 
 
-def require_broadcast_rank(values: tuple, least: int, rank: int, what: str) -> None:
+def require_broadcast_rank(values: tuple, least: int, rank: int, what: str, offsets: tuple | None = None) -> None:
     """require_argument_rank for a value that the graph makes of forward arguments by ops that keep their rank, with
-    module tensors of up to `least` dims (`self.fc(x + 1)`): it has the most dims of them, which, where not `rank`,
-    runs the model's forward instead (NotOptimizedForThisCall). Anything but a tensor has no dims to broadcast."""
-    made = max([least, *(value.dim() for value in values if isinstance(value, torch.Tensor))])
+    module tensors of up to `least` dims (`self.fc(x + 1)`), or change it by a fixed amount (`offsets`, one per
+    value, None where its rank does not count: `self.fc(x.unsqueeze(0))` is 1 more than x's): it has the most dims
+    of them, which, where not `rank`, runs the model's forward instead (NotOptimizedForThisCall). Anything but a
+    tensor has no dims to broadcast."""
+    offsets = (0,) * len(values) if offsets is None else offsets
+    made = max([least, *(value.dim() + offset for value, offset in zip(values, offsets)
+                         if isinstance(value, torch.Tensor) and offset is not None)])
     if made != rank:
         raise NotOptimizedForThisCall(_rank_message(made, rank, what))
 
@@ -401,11 +405,14 @@ def _taking_no_number(program, param: int) -> tuple:
     return tuple(uses)
 
 
-def _maybe_number(node, shapes_guarded: bool) -> bool:
+def _maybe_number(node, shapes_guarded: bool, following: dict) -> bool:
     """A graph input that may be a number at a call: of unknown type (no example inputs, no annotation or default
     that says it is no tensor), or any forward argument of optimize()'s graphs (an example input that was a tensor
-    says nothing of a later call's; Dynamo guards the types of its graph's inputs)."""
+    says nothing of a later call's; Dynamo guards the types of its graph's inputs); or, without example inputs, what
+    pointwise ops make of such inputs (`y * 2` of a number y is one: `following`, but modules' results)."""
     known = ("val", "example_value", "tensor_meta")
+    if isinstance(node, fx.Node) and node.op not in ("placeholder", "call_module") and node in following:
+        return True
     return isinstance(node, fx.Node) and node.op == "placeholder" and \
         (not shapes_guarded or not any(k in node.meta for k in known))
 
@@ -426,35 +433,54 @@ def _is_argument(value) -> bool:
     return isinstance(value, fx.Node) and value.op == "placeholder"
 
 
-def _ranks_following_arguments(gm: fx.GraphModule, canon: dict) -> dict[fx.Node, tuple[tuple, int]]:
-    """The values whose rank follows from forward arguments' ranks alone, whatever the call: value -> (those arguments,
-    the most dims of the module tensors broadcast in on the way); the value has the most dims of them all. These are
-    values made of arguments, numbers and module tensors by ops that keep their value's rank: pointwise ops, no-ops,
-    norms, reductions that keep the dim, and GEMMs with a module weight (an x of 1 dim or more keeps its rank)."""
+def _ranks_following_arguments(gm: fx.GraphModule, canon: dict) -> dict[fx.Node, tuple[dict, int]]:
+    """The values whose rank follows from forward arguments' ranks alone, whatever the call: value -> ({argument: its
+    offset}, least); the value has max(least, each argument's rank + its offset) dims (an offset of None: the
+    argument's rank does not count). These are values made of arguments, numbers and module tensors by ops that keep
+    their value's rank (pointwise ops, no-ops, norms, reductions that keep the dim, and GEMMs with a module weight: an
+    x of 1 dim or more keeps its rank; the most dims of their operands, module tensors' included), and by ops that
+    change it by a fixed amount: a reduction over one dim without keepdim (one fewer, of 1 dim or more),
+    canonicalize.rank_change's (`unsqueeze`, `flatten`)."""
     following = {}
     for node in gm.graph.nodes:
         c = canon.get(node)
         if node.op == "placeholder":
-            following[node] = ((node,), 0)
+            following[node] = ({node: 0}, 0)
+            continue
+        reshaped = rank_change(node) if c is None else None
+        if reshaped is not None and reshaped[0] in following:
+            source, offset, least = reshaped
+            made_of, most = following[source]
+            following[node] = ({argument: None if offset is None or known is None else known + offset
+                                for argument, known in made_of.items()},
+                               max(least, most + (offset or 0)) if offset is not None else least)
             continue
         if c is None or c.problem:
             continue
         spec = EPILOGUE_OPS.get(c.op)
+        drops_dim = spec is not None and spec.kind == REDUCTION and c.attrs.get("keepdim") is False
         if c.op == LINEAR and module_tensor_path(c.operands[1]) is not None:
             operands = (c.operands[0], *c.operands[2:])  # (the weight does not broadcast with x)
         elif c.op == IDENTITY or (spec is not None and spec.kind in (POINTWISE, NORM)) or \
-                (spec is not None and spec.kind == REDUCTION and c.attrs.get("keepdim") is True and
-                 c.op not in ("max_dim", "min_dim")):  # (those two make (values, indices))
-            operands = c.operands
+                (spec is not None and spec.kind == REDUCTION and isinstance(c.attrs.get("keepdim"), bool) and
+                 c.op not in ("max_dim", "min_dim")):
+            operands = c.operands  # (max_dim and min_dim make (values, indices))
         else:
             continue
         values = [o for o in operands if isinstance(o, fx.Node) and module_tensor_path(o) is None]
         tensors = [module_tensor(gm, path) if (path := module_tensor_path(o)) is not None else None
                    for o in operands if isinstance(o, (fx.Node, Attr)) and o not in values]
         if values and all(value in following for value in values) and all(t is not None for t in tensors):
-            arguments = tuple(dict.fromkeys(argument for value in values for argument in following[value][0]))
+            made_of = {}
+            for value in values:  # (an argument read twice counts with its larger offset)
+                for argument, offset in following[value][0].items():
+                    known = made_of.get(argument)
+                    made_of[argument] = offset if known is None or (offset is not None and offset > known) else known
             most = max([*(following[value][1] for value in values), *(tensor.dim() for tensor in tensors)])
-            following[node] = (arguments, most)
+            if drops_dim:  # one dim fewer, of 1 dim or more (a 0-d value stays 0-d)
+                made_of = {argument: None if offset is None else offset - 1 for argument, offset in made_of.items()}
+                most = max(most - 1, 0)
+            following[node] = (made_of, most)
     return following
 
 
@@ -473,7 +499,10 @@ def _first_rank_checks(graph: fx.Graph, x, x_rank: int, following: dict) -> list
                 for node in arguments if isinstance(node.meta["val"], torch.Tensor)]
     if x in following:
         made_of, most = following[x]
-        return [(require_broadcast_rank, (made_of, most, x_rank, "input"))]
+        offsets = tuple(made_of.values())
+        # (a graph of rank-keeping ops alone calls it as before this took offsets: unpickled graphs call it so too)
+        return [(require_broadcast_rank, (tuple(made_of), most, x_rank, "input",
+                                          *((offsets,) if any(offset != 0 for offset in offsets) else ())))]
     return []
 
 
@@ -564,7 +593,8 @@ def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool,
         params = [graph.call_function(number_as_tensor, (p, _taking_no_number(region.program, k),
                                                          tuple(_param_read(m, p) for m in region.members
                                                                if p in m.all_input_nodes)))
-                  if _maybe_number(p, shapes_guarded) else _tensor_node(graph, p) for k, p in enumerate(region.params)]
+                  if _maybe_number(p, shapes_guarded, following) else _tensor_node(graph, p)
+                  for k, p in enumerate(region.params)]
         bias = _tensor_node(graph, region.bias)
         if region.out_write is not None and not shapes_guarded:
             op, read = region.out_write
@@ -685,6 +715,7 @@ def fuse_graph(gm: fx.GraphModule, where: str = "", training: bool = False, shap
     facts = Facts(gm, differentiated=training or not shapes_guarded, inputs_guarded=shapes_guarded)
     facts.position = {node: i for i, node in enumerate(gm.graph.nodes)}
     following = {} if shapes_guarded else _ranks_following_arguments(gm, canon)
+    facts.made_of_arguments = frozenset(following)
     prefix = f"{where}." if where else ""
     anchors = [n for n, c in canon.items() if c.op == LINEAR and c.problem is None]
     for anchor in anchors:

@@ -1,0 +1,163 @@
+"""optimize() without example inputs: values that the graph makes of forward arguments, whose rank or dtype only a
+check before any op can tell (rewrite.py's FIRST_CHECKS), fuse, and a call of another rank or dtype gives eager's
+result or eager's error (the optimized model runs its model's own forward).
+
+Covered: the GEMM's input made by ops that change the rank by a fixed amount (`x.unsqueeze(0)`, `x.sum(1)`), and an
+outside operand made of forward arguments (`h + x.sum(-1, keepdim=True).unsqueeze(0)`, `h + y.unsqueeze(-1)`).
+"""
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxfuse
+from epilogue_models import IN, OUT, GemmThen, GemmThenTwoArguments, assert_reason, leftover_compute
+from fxfuse.library import FUSED_OPS
+from fxfuse.rewrite import require_broadcast_rank
+from fxfuse.testing import assert_close_report, assert_gradients_match, fused_op_count
+
+
+def _eager_or_its_error(model, optimized, *inputs):
+    """The optimized model returns eager's result, or raises eager's error (type and message)."""
+    try:
+        with torch.no_grad():
+            expected = model(*inputs)
+    except Exception as error:
+        with pytest.raises(type(error), match=re.escape(str(error))), torch.no_grad():
+            optimized(*inputs)
+        return
+    with torch.no_grad():
+        actual = optimized(*inputs)
+    assert_close_report(actual, expected)
+
+
+def _calls_of(optimized, check) -> int:
+    return sum(1 for node in optimized.graph.nodes if node.op == "call_function" and node.target is check)
+
+
+def _read_by_the_fused_op(optimized) -> set[str]:
+    """The names of the nodes that the fused op's input and params are computed from (`x.unsqueeze(0)`, which
+    stay): none of the chain it replaced."""
+    fused = next(node for node in optimized.graph.nodes if node.target in FUSED_OPS)
+    seen, stack = set(), list(fused.all_input_nodes)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, torch.fx.Node) and node.name not in seen:
+            seen.add(node.name)
+            stack.extend(node.all_input_nodes)
+    return seen
+
+
+def _whole_chain_fused(model, inputs, dtype=torch.float32):
+    """optimize() without example inputs makes one fused op and nothing else (but what makes its input and params);
+    it computes eager's result."""
+    model = model.to(dtype)
+    inputs = tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in inputs)
+    optimized = fxfuse.optimize(model)
+    assert fused_op_count(optimized) == 1, optimized.fxfuse_report
+    assert not optimized.fxfuse_report.near_misses, optimized.fxfuse_report
+    left = [name for name in leftover_compute(optimized) if name.split()[0] not in _read_by_the_fused_op(optimized)]
+    assert not left, f"not fused: {left}\n{optimized.code}"
+    _eager_or_its_error(model, optimized, *inputs)
+    return optimized
+
+
+# ---------------------------------------------------------------- the GEMM's input: ranks that change by a fixed amount
+
+# (epilogue, the rank of x it fuses for, inputs of other ranks: eager computes, or raises, something else)
+_X_MADE_BY_RANK_CHANGES = [
+    (lambda m, x, y: F.group_norm(m.fc(x.unsqueeze(0)), 4), (IN,), [(4, IN), (3, IN), (2, 4, IN)]),
+    (lambda m, x, y: m.fc(torch.unsqueeze(x, dim=0)).amax(1), (IN,), [(5, IN), (2, 5, IN)]),
+    (lambda m, x, y: m.fc(x.unsqueeze(-2).relu()).softmax(1), (IN,), [(5, IN), (2, 5, IN)]),
+    (lambda m, x, y: m.fc(x.sum(1)).softmax(1), (3, 5, IN), [(3, 4, 5, IN), (5, IN)]),
+    (lambda m, x, y: F.group_norm(m.fc(x.flatten(0, 1)), 4), (2, 3, IN), [(2, 3, 4, IN), (6, IN)]),
+    (lambda m, x, y: m.fc(x.unsqueeze(0).sum(0)).amax(1), (3, IN), [(2, 3, IN), (IN,)]),
+]
+_X_IDS = ["unsqueeze-group_norm", "unsqueeze-amax", "unsqueeze-relu-softmax", "sum-softmax", "flatten-group_norm",
+          "unsqueeze-sum"]
+
+
+@pytest.mark.parametrize("forward, shape, others", _X_MADE_BY_RANK_CHANGES, ids=_X_IDS)
+def test_an_input_made_by_rank_changes_is_checked_first_and_other_ranks_give_eagers_result(forward, shape, others):
+    """`fc(x.unsqueeze(0))` is 2-D for a 1-D x only: group_norm and softmax(1) hold for that rank. The check before any
+    op knows the rank after unsqueeze (one more), a reduction without keepdim (one less) or flatten; it checked x's
+    rank after the ops only (require_rank), and raised fxfuse's error where eager computes, or raises its own."""
+    model = GemmThen(forward).eval()
+    optimized = _whole_chain_fused(model, (torch.randn(shape),))
+    assert _calls_of(optimized, require_broadcast_rank) == 1, optimized.code
+    for other in others:
+        _eager_or_its_error(model, optimized, torch.randn(other))
+
+
+def test_an_input_made_by_rank_changes_fuses_in_bfloat16():
+    """(float64 models do not fuse: match.SUPPORTED_DTYPES)"""
+    model = GemmThen(lambda m, x, y: F.group_norm(m.fc(x.unsqueeze(0)), 4)).eval()
+    optimized = _whole_chain_fused(model, (torch.randn(IN),), dtype=torch.bfloat16)
+    _eager_or_its_error(model, optimized, torch.randn(4, IN, dtype=torch.bfloat16))
+
+
+def test_squeeze_does_not_change_the_rank_by_a_fixed_amount_and_stays_checked_after_it():
+    """x.squeeze(0) is of x's rank or one less, by x's size: no check before any op can tell. The fused op's own check
+    raises for a call of another rank (as without the rank changes)."""
+    model = GemmThen(lambda m, x, y: F.group_norm(m.fc(x.squeeze(0)), 4)).eval()
+    optimized = fxfuse.optimize(model)
+    assert fused_op_count(optimized) == 1
+    assert _calls_of(optimized, require_broadcast_rank) == 0, optimized.code
+    _eager_or_its_error(model, optimized, torch.randn(1, 3, IN))
+
+
+# ---------------------------------------------------------------- an outside operand made of forward arguments
+
+# (epilogue, extras of the model, inputs)
+_OPERANDS_MADE_OF_ARGUMENTS = [
+    (lambda m, x, y: torch.relu(m.gn(m.fc(x))) + x.sum(-1, keepdim=True).unsqueeze(0), (torch.randn(5, IN), None)),
+    (lambda m, x, y: torch.relu(m.gn(m.fc(x))) + x.sum(-1, keepdim=True), (torch.randn(5, IN), None)),
+    (lambda m, x, y: torch.relu(m.fc(x)) * y.unsqueeze(-1), (torch.randn(5, IN), torch.randn(5))),
+    (lambda m, x, y: m.fc(x) + y.flatten(), (torch.randn(5, IN), torch.randn(5, 8))),
+    (lambda m, x, y: m.fc(x) + (y * 2 + 1), (torch.randn(5, IN), torch.randn(OUT))),
+    (lambda m, x, y: m.fc(x).sigmoid() - y.mean(0), (torch.randn(5, IN), torch.randn(3, OUT))),
+]
+_OPERAND_IDS = ["sum-unsqueeze", "sum-keepdim", "argument-unsqueeze", "argument-flatten", "pointwise-of-argument",
+                "mean"]
+
+
+@pytest.mark.parametrize("forward, inputs", _OPERANDS_MADE_OF_ARGUMENTS, ids=_OPERAND_IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_an_operand_made_of_forward_arguments_fuses(forward, inputs, dtype):
+    """explain() said "cannot prove that `unsqueeze` is a tensor without example inputs": a value that tensor ops make
+    of forward arguments is a tensor where they are (a number where one is: number_as_tensor)."""
+    model = GemmThen(forward, gn=nn.GroupNorm(4, OUT)).eval()
+    _whole_chain_fused(model, inputs, dtype)
+
+
+@pytest.mark.parametrize("forward, inputs", _OPERANDS_MADE_OF_ARGUMENTS, ids=_OPERAND_IDS)
+def test_an_operand_made_of_forward_arguments_gives_eagers_gradients_in_train_mode(forward, inputs):
+    model = GemmThen(forward, gn=nn.GroupNorm(4, OUT)).train()
+    optimized = fxfuse.optimize(model)
+    assert fused_op_count(optimized) == 1 and not optimized.fxfuse_report.near_misses, optimized.fxfuse_report
+    assert_gradients_match(model, optimized, inputs)
+
+
+@pytest.mark.parametrize("forward, others", [
+    (_OPERANDS_MADE_OF_ARGUMENTS[0][0], [(torch.randn(2, 5, IN), None), (torch.randn(IN), None)]),
+    (_OPERANDS_MADE_OF_ARGUMENTS[2][0], [(torch.randn(5, IN), torch.randn(2, 5)), (torch.randn(5, IN), 2.5),
+                                         (torch.randn(5, IN), None), (torch.randn(5, IN), torch.arange(5))]),
+    (_OPERANDS_MADE_OF_ARGUMENTS[4][0], [(torch.randn(5, IN), 2.5), (torch.randn(5, IN), 3),
+                                         (torch.randn(5, IN), torch.randn(2, 1, OUT, dtype=torch.float64)),
+                                         (torch.randn(5, IN), [1.0])]),
+], ids=["sum-unsqueeze", "argument-unsqueeze", "pointwise-of-argument"])
+def test_an_operand_made_of_forward_arguments_of_other_ranks_types_or_dtypes_gives_eagers_result(forward, others):
+    model = GemmThen(forward, gn=nn.GroupNorm(4, OUT)).eval()
+    optimized = fxfuse.optimize(model)
+    assert fused_op_count(optimized) == 1
+    for inputs in others:
+        _eager_or_its_error(model, optimized, *inputs)
+
+
+def test_an_operand_that_squeeze_makes_of_a_forward_argument_is_a_near_miss_that_says_why():
+    model = GemmThen(lambda m, x, y: torch.relu(m.fc(x)) + y.squeeze(0)).eval()
+    optimized = fxfuse.optimize(model)
+    assert_reason(optimized, "cannot prove that `squeeze` is a tensor without example inputs")
+    _eager_or_its_error(model, optimized, torch.randn(5, IN), torch.randn(1, OUT))
