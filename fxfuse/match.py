@@ -65,6 +65,10 @@ class Region:
     # The least rank of x a whole view in the program needs (`h[:, :]`: eager raises for fewer dims), where the
     # value's rank is unknown: the rewritten graph checks it at every call. None: any.
     x_rank_at_least: int | None = None
+    # Forward arguments of unknown dtype that an op scales before it reads the region's value (`torch.sub(h, y,
+    # alpha=2)` is `mul($0,2.0)` of y first), as (argument, the op's name): the program holds where each is a tensor of
+    # the GEMM's dtype, which the rewritten graph checks before any op.
+    scaled_arguments: tuple = ()
 
 
 class Boundary(str):
@@ -241,6 +245,8 @@ class _Growth:
         self.feature_reads: list[int] = []  # the member count before each op that reads a number of the features
         self.out_writes: list[tuple[int, str, int]] = []  # (the member count before an out= op, its op, params so far)
         self.x_ranks_at_least: list[tuple[int, int]] = []  # (the member count before a whole view, the rank it needs)
+        # (the member count before an op that scales a forward argument of unknown dtype first, it, the op's name)
+        self.scaled_arguments: list[tuple[int, fx.Node, str]] = []
         self.instructions: list[Instruction] = []
         self.params: list[Any] = []
         self.misses: list[NearMiss] = []
@@ -478,39 +484,50 @@ class _Growth:
         # (computed as steps or not, a pointwise op broadcasts all its operands: its rank and flags above are theirs)
         one_feature = c.attrs["keepdim"] if reduces else self.keeps_one_feature(spec, operands)
         if "steps" in c.attrs:  # `h.add_(b, alpha=2)`: b * 2 first, as eager computes it
-            operands, problem = self.emit_steps(node, c.attrs["steps"][:-1], c.attrs["steps"][-1][1], operands)
+            operands, problem = self.emit_steps(node, c.attrs["steps"][:-1], c.attrs["steps"][-1][1], operands,
+                                                at=len(self.members) - 1 - len(c.covers))
             if problem:
                 return problem
         self.emit(node, c.op, operands, attrs, rank, reduced=reduces or all(v.index in self.reduced for v in values),
                   dropped=dropped, drops_dim=drops_dim, in_place=in_place, one_feature=one_feature)
         return None
 
-    def emit_steps(self, node, steps, last_args, operands) -> tuple[list, str | None]:
+    def emit_steps(self, node, steps, last_args, operands, at: int) -> tuple[list, str | None]:
         """Emit the steps before a canonical op computed as several (canonicalize.computed_as) on its resolved
         `operands`, and give the last step's operands; or say why not. A step may read outside tensors only
         (`mul($0,2.0)`, a param scaled by alpha) where their dtypes are known, and so the region's
         (outside_operand_problem): eager computes the whole op in the dtype all its operands promote to, where an
-        integer one scaled first would become float32 (and addcdiv raises for two integer ones). One of numbers only
-        would compute in Python's precision, where eager rounds the numbers to the value's dtype first."""
+        integer one scaled first would become float32 (and addcdiv raises for two integer ones); or where they are
+        forward arguments, whose dtype the rewritten graph checks before any op (`scaled_arguments`; `at`: the
+        member count before `node`). One of numbers only would compute in Python's precision, where eager rounds the
+        numbers to the value's dtype first."""
         def resolve(arg):
             if isinstance(arg, OperandOf):
                 return operands[arg.position]
             return Value(len(self.instructions)) if arg == PREVIOUS else arg
 
+        of_params = set()  # the steps that read no region value (`mul($0,2.0)`, then `mul(%1,$1)` of addcmul)
         for op, args in steps:
             step = [resolve(a) for a in args]
             if not any(isinstance(o, (Value, Param)) for o in step):
                 return [], f"{describe(node)} computes {op} of the numbers {', '.join(map(repr, step))} first"
-            values = [o for o in step if isinstance(o, Value)]
-            unknown = next((self.params[o.index] for o in step
-                            if isinstance(o, Param) and self.facts.tensor(self.params[o.index]) is None), None)
-            if not values and unknown is not None:
-                return [], (f"{describe(node)} computes {op} of {describe(unknown)}, whose dtype is unknown, before it "
-                            "reads the region's value: eager's dtype and errors for an integer one would differ (pass "
-                            "example inputs)")
+            values = [o for o in step if isinstance(o, Value) and o.index not in of_params]
+            unknown = [self.params[o.index] for o in step
+                       if isinstance(o, Param) and self.facts.tensor(self.params[o.index]) is None]
+            # (a forward argument's dtype is checked before any op: in another, the model's own forward runs)
+            unchecked = next((p for p in unknown if not (isinstance(p, fx.Node) and p.op == "placeholder" and
+                                                         not self.facts.inputs_guarded)), None)
+            if not values and unchecked is not None:
+                return [], (f"{describe(node)} computes {op} of {describe(unchecked)}, whose dtype is unknown, before "
+                            "it reads the region's value: eager's dtype and errors for an integer one would differ, and "
+                            "only a forward argument's dtype is checked before any op (pass example inputs)")
+            if not values:
+                self.scaled_arguments.extend((at, p, node.name) for p in unknown)
             self.emit(node, op, step, (), self.result_rank(step),
                       reduced=bool(values) and all(v.index in self.reduced for v in values),
                       dropped=bool(values) and all(v.index in self.dropped for v in values))
+            if not values:
+                of_params.add(len(self.instructions))
         return [resolve(a) for a in last_args], None
 
     def keeps_one_feature(self, spec, operands) -> bool:
@@ -737,6 +754,7 @@ class _Growth:
         self.feature_reads = [at for at in self.feature_reads if at < n_members]
         self.out_writes = [entry for entry in self.out_writes if entry[0] < n_members]
         self.x_ranks_at_least = [entry for entry in self.x_ranks_at_least if entry[0] < n_members]
+        self.scaled_arguments = [entry for entry in self.scaled_arguments if entry[0] < n_members]
 
     # -- validity of the current prefix
 
@@ -885,7 +903,9 @@ def _region_of(growth: _Growth, snapshot: tuple, output: fx.Node) -> Region:
                   dtype_ops=tuple(sorted({op for _, at, op in growth.dtypes if at < n_members})),
                   reads_features=any(at < n_members for at in growth.feature_reads),
                   out_write=next(((op, n) for at, op, n in reversed(growth.out_writes) if at < n_members), None),
-                  x_rank_at_least=max((rank for at, rank in growth.x_ranks_at_least if at < n_members), default=None))
+                  x_rank_at_least=max((rank for at, rank in growth.x_ranks_at_least if at < n_members), default=None),
+                  scaled_arguments=tuple(dict.fromkeys((argument, op) for at, argument, op in growth.scaled_arguments
+                                                       if at < n_members)))
 
 
 def _common_dtypes(each: list[tuple]) -> tuple | None:

@@ -334,10 +334,21 @@ def require_dtype(x: torch.Tensor, dtypes: tuple, ops: str) -> None:
         raise RuntimeError(problem)
 
 
-def require_argument_dtype(value, dtypes: tuple, ops: str) -> None:
+def require_argument_dtype(value, dtypes: tuple, ops: str, scaled: bool = False) -> None:
     """require_dtype for a forward argument, called before the graph runs any op: in another dtype (or under another
     autocast) the optimized model runs its model's forward instead (NotOptimizedForThisCall). Anything but a tensor
-    is left to require_tensor, which raises eager's error."""
+    is left to require_tensor, which raises eager's error. `scaled`: the argument is one that an op (`ops` says which)
+    scales before it reads the region's value (`torch.sub(h, y, alpha=2)`), and must itself be a tensor of `dtypes`,
+    autocast or not: eager computes the op in the dtype all its operands promote to (an integer y scaled first would
+    become float32), rounds a number to the value's dtype first, and raises for None or a bool."""
+    if scaled:
+        got = str(value.dtype).removeprefix("torch.") if isinstance(value, torch.Tensor) else None
+        if got not in dtypes:
+            what = f"a tensor of {got}" if got is not None else f"a {type(value).__name__}"
+            raise NotOptimizedForThisCall(
+                f"fxfuse: this part of the model was optimized for a {' or '.join(dtypes)} tensor as {ops}, which "
+                f"eager computes in that dtype; got {what}: run fxfuse.optimize() with example inputs of this kind")
+        return
     problem = _dtype_problem(value, dtypes, ops) if isinstance(value, torch.Tensor) else None
     if problem is not None:
         raise NotOptimizedForThisCall(problem)
@@ -583,6 +594,12 @@ def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool,
                 _check_first(graph, position, require_argument_dtype, dtype_args)
             else:
                 graph.call_function(require_dtype, dtype_args)
+        # A forward argument that an op scales before it reads the region's value: in the GEMM's dtype, checked first.
+        if region.scaled_arguments and not shapes_guarded:
+            dtype = str(module_tensor(gm, module_tensor_path(region.weight)).dtype).removeprefix("torch.")
+            for argument, op in region.scaled_arguments:
+                what = f"`{argument.target}`, which `{op}` scales before it reads the GEMM's value"
+                _check_first(graph, position, require_argument_dtype, (argument, (dtype,), what, True))
         weight = _tensor_node(graph, region.weight)
         if region.reads_features and not shapes_guarded:
             path, dim = module_tensor_path(region.weight), 1 if region.transpose_weight else 0

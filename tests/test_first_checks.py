@@ -2,8 +2,9 @@
 check before any op can tell (rewrite.py's FIRST_CHECKS), fuse, and a call of another rank or dtype gives eager's
 result or eager's error (the optimized model runs its model's own forward).
 
-Covered: the GEMM's input made by ops that change the rank by a fixed amount (`x.unsqueeze(0)`, `x.sum(1)`), and an
-outside operand made of forward arguments (`h + x.sum(-1, keepdim=True).unsqueeze(0)`, `h + y.unsqueeze(-1)`).
+Covered: the GEMM's input made by ops that change the rank by a fixed amount (`x.unsqueeze(0)`, `x.sum(1)`), an
+outside operand made of forward arguments (`h + x.sum(-1, keepdim=True).unsqueeze(0)`, `h + y.unsqueeze(-1)`), and
+a forward argument that an add's or sub's alpha scales before the region reads it (`torch.sub(h, y, alpha=2)`).
 """
 import re
 
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 import fxfuse
 from epilogue_models import IN, OUT, GemmThen, GemmThenTwoArguments, assert_reason, leftover_compute
 from fxfuse.library import FUSED_OPS
-from fxfuse.rewrite import require_broadcast_rank
+from fxfuse.rewrite import require_argument_dtype, require_broadcast_rank
 from fxfuse.testing import assert_close_report, assert_gradients_match, fused_op_count
 
 
@@ -161,3 +162,63 @@ def test_an_operand_that_squeeze_makes_of_a_forward_argument_is_a_near_miss_that
     optimized = fxfuse.optimize(model)
     assert_reason(optimized, "cannot prove that `squeeze` is a tensor without example inputs")
     _eager_or_its_error(model, optimized, torch.randn(5, IN), torch.randn(1, OUT))
+
+
+# ---------------------------------------------------------------- a forward argument scaled before the region reads it
+
+_SCALED_ARGUMENTS = [
+    (lambda m, x, y: torch.sub(torch.relu(m.fc(x)), y, alpha=2), lambda dtype: torch.randn(OUT, dtype=dtype)),
+    (lambda m, x, y: m.fc(x).add(y, alpha=-0.5).tanh(), lambda dtype: torch.randn(5, 1, dtype=dtype)),
+]
+
+
+@pytest.mark.parametrize("forward, second", _SCALED_ARGUMENTS, ids=["sub", "add"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_a_forward_argument_scaled_by_alpha_fuses_with_a_dtype_check_first(forward, second, dtype):
+    """`torch.sub(h, y, alpha=2)` is `mul($0,2.0)` of y, then the sub: where y is in the GEMM's dtype (checked before
+    any op), as with example inputs. It was a near miss ("whose dtype is unknown")."""
+    model = GemmThen(forward).eval()
+    optimized = _whole_chain_fused(model, (torch.randn(5, IN), second(torch.float32)), dtype)
+    assert _calls_of(optimized, require_argument_dtype) == 1, optimized.code
+
+
+@pytest.mark.parametrize("forward, second", _SCALED_ARGUMENTS, ids=["sub", "add"])
+def test_a_forward_argument_scaled_by_alpha_gives_eagers_gradients_in_train_mode(forward, second):
+    model = GemmThen(forward).train()
+    optimized = fxfuse.optimize(model)
+    assert fused_op_count(optimized) == 1 and not optimized.fxfuse_report.near_misses, optimized.fxfuse_report
+    assert_gradients_match(model, optimized, (torch.randn(5, IN), second(torch.float32)))
+
+
+@pytest.mark.parametrize("second", [torch.arange(OUT), torch.randn(OUT, dtype=torch.float64),
+                                    torch.randn(OUT, dtype=torch.float16), torch.tensor([True] * OUT), 3, 2.5, None,
+                                    torch.randn(2, 5, OUT)],
+                         ids=["int64", "float64", "float16", "bool", "int", "float", "None", "3-D"])
+def test_a_forward_argument_scaled_by_alpha_of_another_dtype_gives_eagers_result(second):
+    """An integer y scaled first would become float32 where eager keeps it; eager raises for a bool one, and rounds a
+    number to the value's dtype first: the optimized model runs the model's own forward for them."""
+    model = GemmThen(_SCALED_ARGUMENTS[0][0]).eval()
+    optimized = fxfuse.optimize(model)
+    assert fused_op_count(optimized) == 1
+    _eager_or_its_error(model, optimized, torch.randn(5, IN), second)
+
+
+def test_two_forward_arguments_of_addcmul_get_a_dtype_check_each():
+    """addcmul's `value * tensor1 * tensor2` reads two forward arguments before the region's value."""
+    model = GemmThenTwoArguments(lambda h, a, b: torch.addcmul(h, a, b, value=0.5)).eval()
+    optimized = _whole_chain_fused(model, (torch.randn(5, IN), torch.randn(OUT), torch.randn(5, 1)))
+    assert _calls_of(optimized, require_argument_dtype) == 2, optimized.code
+    x = torch.randn(5, IN)
+    for a, b in ((torch.randn(OUT), torch.arange(5).view(5, 1)), (torch.arange(OUT), torch.arange(5).view(5, 1)),
+                 (torch.randn(OUT, dtype=torch.float64), torch.randn(5, 1)), (2, torch.randn(5, 1))):
+        _eager_or_its_error(model, optimized, x, a, b)
+
+
+def test_an_operand_made_inside_the_graph_and_scaled_by_alpha_is_a_near_miss_that_says_why():
+    """`y * 2` may be of any dtype (an integer y times a float is float32): only a forward argument's dtype is
+    checked before any op."""
+    model = GemmThen(lambda m, x, y: torch.sub(m.fc(x), y * 2, alpha=2)).eval()
+    optimized = fxfuse.optimize(model)
+    assert fused_op_count(optimized) == 0
+    assert_reason(optimized, "computes mul of `mul`, whose dtype is unknown, before it reads the region's value")
+    _eager_or_its_error(model, optimized, torch.randn(5, IN), torch.arange(OUT))

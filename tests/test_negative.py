@@ -3205,13 +3205,12 @@ def test_reduction_written_with_out_is_not_fused():
 
 # ---------------------------------------------------------------- alpha, addcmul and addcdiv
 
-def test_addcdiv_of_two_arguments_of_unknown_dtypes_is_not_fused():
-    """Without example inputs the two may be integer tensors, which eager's addcdiv raises for."""
+def test_addcdiv_of_two_arguments_of_unknown_dtypes_checks_them_first():
+    """Without example inputs the two may be integer tensors, which eager's addcdiv raises for: their dtypes are
+    checked before any op (it was not fused), and for integer ones the optimized model runs the model's own forward."""
     model = GemmThenTwoArguments(torch.addcdiv).eval()
     ints = (rows(), torch.arange(1, OUT + 1), torch.arange(1, OUT + 1))
-    optimized = fxfuse.optimize(model)
-    assert fused_op_count(optimized) == 0
-    assert_reason(optimized, "`addcdiv` computes div of `a`, whose dtype is unknown, before it reads the region")
+    optimized = assert_whole_chain_fused(model, (rows(), torch.randn(OUT), torch.rand(OUT) + 0.5), example_inputs=False)
     for module in (model, optimized):
         with pytest.raises(RuntimeError, match="Integer division with addcdiv"):
             module(*ints)
@@ -3241,12 +3240,12 @@ def test_alpha_scaling_an_argument_that_is_a_number_at_a_call_computes_as_eager(
         assert_close_report(optimized(*inputs), model(*inputs))
 
 
-def test_alpha_scaling_an_argument_of_unknown_dtype_is_not_fused():
-    """Eager adds an integer `a` times alpha to a bf16 value in bf16; scaled first, it would be float32."""
+def test_alpha_scaling_an_argument_of_unknown_dtype_checks_it_first():
+    """Eager adds an integer `a` times alpha to a bf16 value in bf16; scaled first, it would be float32: a's dtype is
+    checked before any op (it was not fused), and for an integer `a` the optimized model runs the model's forward."""
     model = GemmThenTwoArguments(lambda h, a, b: torch.add(h, a, alpha=0.5)).eval().to(torch.bfloat16)
-    optimized = fxfuse.optimize(model)
-    assert fused_op_count(optimized) == 0
-    assert_reason(optimized, "`add` computes mul of `a`, whose dtype is unknown, before it reads the region's value")
+    optimized = assert_whole_chain_fused(model, (rows(dtype=torch.bfloat16), torch.randn(OUT, dtype=torch.bfloat16),
+                                                 None), example_inputs=False)
     inputs = (rows(dtype=torch.bfloat16), torch.arange(OUT), None)
     with torch.no_grad():
         assert_close_report(optimized(*inputs), model(*inputs))
