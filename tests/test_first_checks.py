@@ -222,3 +222,33 @@ def test_an_operand_made_inside_the_graph_and_scaled_by_alpha_is_a_near_miss_tha
     assert fused_op_count(optimized) == 0
     assert_reason(optimized, "computes mul of `mul`, whose dtype is unknown, before it reads the region's value")
     _eager_or_its_error(model, optimized, torch.randn(5, IN), torch.arange(OUT))
+
+
+# ---------------------------------------------------------------- on the GPU: the kernels take these programs
+
+_ON_THE_GPU = ([(forward, (torch.randn(shape),)) for forward, shape, _ in _X_MADE_BY_RANK_CHANGES] +
+               [(forward, tuple(t for t in inputs if t is not None))
+                for forward, inputs in _OPERANDS_MADE_OF_ARGUMENTS] +
+               [(forward, (torch.randn(5, IN), second(torch.float32))) for forward, second in _SCALED_ARGUMENTS])
+_ON_THE_GPU_IDS = _X_IDS + _OPERAND_IDS + ["sub-alpha", "add-alpha"]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("forward, inputs", _ON_THE_GPU, ids=_ON_THE_GPU_IDS)
+def test_the_programs_these_checks_allow_run_on_the_kernels(forward, inputs, dtype, caplog):
+    """The operands made of forward arguments reach the kernels as params of their own shapes (`(1, 5, 1)` after an
+    unsqueeze broadcasts the output to 3-D): forward and backward run there, not the reference, and the forward
+    comes within the dtype's bound of float64 (test_cuda_backend's Judge; the CPU tests above check the gradients)."""
+    from test_cuda_backend import Judge
+
+    model = GemmThen(forward, gn=nn.GroupNorm(4, OUT)).to("cuda", dtype).train()
+    inputs = [t.to("cuda", dtype) for t in inputs]
+    optimized = fxfuse.optimize(model)
+    assert fused_op_count(optimized) == 1 and not optimized.fxfuse_report.near_misses, optimized.fxfuse_report
+    with caplog.at_level("DEBUG", logger="fxfuse"):
+        out = optimized(*inputs)
+        out.float().square().sum().backward()
+    fallbacks = [r.getMessage() for r in caplog.records if "runs the reference" in r.getMessage()]
+    assert not fallbacks, fallbacks
+    Judge(model, dtype).check(out.detach(), inputs, "forward")
