@@ -1480,14 +1480,14 @@ def restore_readers_outside_regions(graph: fx.Graph, before_rewrite: set) -> Non
 
 
 def _refuse_inplace_on_aliases(graph: fx.Graph, canon: dict[fx.Node, Canonical]) -> None:
-    """An identity op (`h.contiguous()`, eval-mode dropout, nn.Identity) returns the same tensor, so an in-place op
-    on one of them changes the others too, which the program's values (one per op) cannot express: an in-place op
-    whose tensor has such an alias read after it is refused. (Later reads of the mutated tensor itself are
-    redirected to the in-place op: `_redirect_inplace_uses`.)"""
+    """An identity op (`h.contiguous()`, eval-mode dropout, nn.Identity) returns the same tensor, and detach a tensor
+    of the same memory, so an in-place op on one of them changes the others too, which the program's values (one per
+    op) cannot express: an in-place op whose tensor has such an alias read after it is refused. (Later reads of the
+    mutated tensor itself are redirected to the in-place op: `_redirect_inplace_uses`.)"""
     position = {node: i for i, node in enumerate(graph.nodes)}
     aliases: dict[fx.Node, set] = {}
     for node, c in canon.items():
-        source = c.operands[0] if c.op == IDENTITY and c.operands else None
+        source = c.operands[0] if c.op in (IDENTITY, "detach") and c.operands else None
         if isinstance(source, fx.Node):
             aliases.setdefault(node, set()).add(source)
             aliases.setdefault(source, set()).add(node)

@@ -570,6 +570,30 @@ def test_in_place_op_on_an_alias_made_by_contiguous_is_not_fused():
     assert_reason(optimized, "aliases")
 
 
+def double_through_detach_then_tanh(m, x, y):
+    h = m.fc(x) + 1.0
+    h.detach().mul_(2.0)
+    return torch.tanh(h)
+
+
+def double_then_read_detached_and_source(m, x, y):
+    h = m.fc(x) + 1.0
+    v = torch.detach(h)
+    h.mul_(2.0)
+    return torch.tanh(v) + h
+
+
+@pytest.mark.parametrize("epilogue", [double_through_detach_then_tanh, double_then_read_detached_and_source])
+def test_in_place_op_on_a_tensor_that_detach_aliases_is_not_fused_past(epilogue):
+    """detach() returns a tensor that shares its input's memory: an in-place op on either changes the other, which the
+    program's values (one per op) cannot say."""
+    model = GemmThen(epilogue).eval()
+    optimized = assert_fuses(model, (rows(),))
+    assert fused_programs(optimized) == ["add(%0,1.0)"]
+    if epilogue is double_then_read_detached_and_source:  # (in the other, the region stops at `add`'s other reader)
+        assert_reason(optimized, "which `detach` aliases")
+
+
 def slice_mul_then_read_both(m, x, y):
     h = m.fc(x)
     v = h[:, :]
