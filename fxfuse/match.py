@@ -605,7 +605,8 @@ class _Growth:
         tensor computed from a graph input may have another shape or dtype at a later call, unless the graph's
         inputs are guarded (Dynamo's) or it is the input of a GEMM of a module weight (whose dtype the GEMM takes
         and whose shape differs from the GEMM output's in the weight's sizes only, `out += x`). Else the example
-        inputs prove it by running the op (`node` then has a shape); without them an outside tensor must be known,
+        inputs prove it by running the op (`node` then has a shape), at their sizes (`_fits_the_example_sizes_only`
+        for the others); without them an outside tensor must be known,
         in the GEMM's dtype (outside_operand_problem), and broadcast into one row's features; a region value must
         not outgrow the mutated one (`h.sum(-1, keepdim=True).mul_(h)`). The dtype needs no proof: the program's
         in-place instruction keeps the mutated value's (program.py), as under autocast, where the mutated value may
@@ -618,7 +619,7 @@ class _Growth:
                 return (f"in-place {describe(node)} reads {describe(outside)}, whose shape and dtype may differ at a "
                         "later call, where eager keeps the mutated value's (or raises)")
         if self.facts.tensor(node) is not None:
-            return None
+            return self._fits_the_example_sizes_only(node, operands)
         target = self.value.get(mutated)
         if target is None:
             return f"in-place {describe(node)} mutates {describe(mutated)}, which the region does not compute"
@@ -647,6 +648,31 @@ class _Growth:
                 if target_rank is None and self.min_rank[operand.index] > self.min_rank[target]:  # h.mul_(h + b3d)
                     return (f"in-place {describe(node)}: its operand has {self.min_rank[operand.index]} dims or more, "
                             "the mutated value may have fewer (pass example inputs)")
+        return None
+
+    def _fits_the_example_sizes_only(self, node: fx.Node, operands) -> str | None:
+        """The example inputs ran the in-place op, which proves that an outside tensor fits the mutated value at their
+        sizes only: the value's dims before the features are the caller's (the rows of x), so a tensor with a size
+        other than 1 there (`h.mul_(self.row_scale)` of a (batch, 1) buffer) makes eager raise at another batch size,
+        where the fused op would broadcast the value to the tensor's rows; and one of more dims than x has at a
+        later call would give the value more, where eager raises: x must have as many (`require_rank_at_least`).
+        Dynamo's graphs are guarded on their inputs' sizes; the GEMM's own input has the value's leading dims
+        (`out += x`)."""
+        if self.facts.inputs_guarded:
+            return None
+        for operand in operands:
+            if not isinstance(operand, Param):
+                continue
+            outside = self.params[operand.index]
+            tensor = self.facts.tensor(outside)
+            if tensor is None or (outside is self.x and module_tensor_path(self.weight) is not None):
+                continue
+            shape = tuple(tensor.shape)
+            if any(d != 1 for d in shape[:-1]):
+                return (f"in-place {describe(node)} reads {describe(outside)} of shape {shape}, which fits the mutated "
+                        "value at the example inputs' sizes only (eager raises at others)")
+            if len(shape) > 1:  # (x has a dim at least: the value has its rank, or more after a broadcast)
+                self.x_ranks_at_least.append((len(self.members), len(shape)))
         return None
 
     def result_rank(self, operands) -> int | None:

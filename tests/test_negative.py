@@ -3067,6 +3067,48 @@ def test_an_in_place_op_of_a_forward_argument_keeps_eagers_shape_and_dtype_at_la
         assert_close_report(optimized(x, later_y), expected)
 
 
+def scale_in_place_by_a_row_buffer(m, x, y):
+    h = m.fc(x)
+    h.mul_(m.row_scale)
+    return torch.relu(h)
+
+
+def add_in_place_a_buffer_of_the_example_shape(m, x, y):
+    h = m.fc(x)
+    h += m.row_scale
+    return torch.tanh(h)
+
+
+@pytest.mark.parametrize("epilogue", [scale_in_place_by_a_row_buffer, add_in_place_a_buffer_of_the_example_shape])
+@pytest.mark.parametrize("buffer_shape", [(BATCH, 1), (BATCH, OUT), (1, BATCH, OUT)], ids=["rows", "full", "3-D"])
+def test_an_in_place_op_of_a_module_tensor_that_fits_the_example_batch_only_is_not_fused(epilogue, buffer_shape):
+    """A (batch, 1) buffer fits `h.mul_(buffer)` at the example inputs' batch size only: at another, eager raises
+    ("doesn't match the broadcast shape") and the fused op broadcast the mutated value to the buffer's rows."""
+    model = GemmThen(epilogue, row_scale=torch.randn(buffer_shape)).eval()
+    example = rows() if len(buffer_shape) == 2 else torch.randn(1, BATCH, IN)
+    optimized = fxfuse.optimize(model, (example,))
+    assert_reason(optimized, "fits the mutated value at the example inputs' sizes only")
+    for later in (rows(batch=1), torch.randn(1, 1, IN)):
+        for candidate in (model, optimized):
+            with pytest.raises(RuntimeError, match="doesn't match the broadcast shape"):
+                candidate(later)
+    with torch.no_grad():
+        assert_close_report(optimized(example), model(example))
+
+
+def test_an_in_place_op_of_a_module_tensor_of_one_row_fuses_with_example_inputs():
+    """A (1, features) buffer fits the mutated value at every batch size, and of x's rank or more (a 1-D x's value is
+    1-D: eager raises where the buffer would make it 2-D)."""
+    model = GemmThen(scale_in_place_by_a_row_buffer, row_scale=torch.randn(1, OUT)).eval()
+    optimized = assert_whole_chain_fused(model, (rows(),))
+    with torch.no_grad():
+        for x in (rows(batch=5), torch.randn(2, BATCH, IN)):
+            assert_close_report(optimized(x), model(x))
+    for candidate in (model, optimized):
+        with pytest.raises(RuntimeError, match="doesn't match the broadcast shape|optimized for an input of 2 dims"):
+            candidate(torch.randn(IN))
+
+
 def _first_line_of_error(call):
     try:
         call()
