@@ -276,22 +276,19 @@ def _params_autocast_casts(program: str) -> frozenset[int]:
 def _eager_result_dtype(program, x, weight, bias, params, device_type, dtype) -> torch.dtype:
     """The dtype the program's ops give its result under autocast: linear in `dtype`, then each op by autocast's
     own policy for it (on CUDA layer_norm, group_norm, softmax, exp... run in float32). Found once per program,
-    dtypes and ranks, by running the reference on fake tensors under autocast (shapes that broadcast as the real
-    ones do: the features and the channels, dim 1 of a GEMM output of 3 or more dims, along which prelu reads its
-    slopes, kept; other dims 1), with every mode of the caller's set aside."""
+    dtypes and ranks, by running the reference on fake tensors under autocast (of the real sizes, which broadcast
+    as the real ones do and make groups of group_norm's size, with a symbolic size, Dynamo's, as 1), with every
+    mode of the caller's set aside."""
     tensors = [x, weight, bias, *params]
     key = (program, device_type, dtype, tuple(None if t is None else (t.dtype, t.dim()) for t in tensors))
     if key not in _autocast_result_dtypes:
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.utils._python_dispatch import _disable_current_modes
 
-        features = weight.shape[0]
-        channels = x.shape[1] if x.dim() > 2 and isinstance(x.shape[1], int) else 1
-        x_shape = [1] * (x.dim() - 1) + [weight.shape[1]]
-        if x.dim() > 2:
-            x_shape[1] = channels
+        size = lambda d: d if isinstance(d, int) else 1  # noqa: E731
+        x_shape = [size(d) for d in x.shape[:-1]] + [weight.shape[1]]
         shapes = [x_shape, weight.shape, None if bias is None else bias.shape]
-        shapes += [[d if isinstance(d, int) and d in (1, features, channels) else 1 for d in p.shape] for p in params]
+        shapes += [[size(d) for d in p.shape] for p in params]
         with _disable_current_modes(), FakeTensorMode():
             fake_x, fake_weight, fake_bias, *fake_params = [
                 None if t is None else torch.empty(shape, dtype=t.dtype, device=t.device)

@@ -106,6 +106,21 @@ def test_prelu_of_a_bf16_model_with_slopes_per_token_under_autocast_is_eagers():
     _check_under_autocast(model, optimized, x, "cpu", fused_below=True)
 
 
+@pytest.mark.parametrize("with_examples", [True, False], ids=["example-inputs", "no-example-inputs"])
+def test_group_norm_of_one_channel_per_group_under_autocast_is_eagers(with_examples):
+    """group_norm raises for groups of one value (a row of one channel per group): the fake run that finds the
+    result's dtype under autocast made the rows one, and raised ValueError where eager's rows are 16."""
+    model = nn.Sequential(nn.Linear(32, 24), nn.GroupNorm(24, 24, affine=False)).eval()
+    x = torch.randn(16, 32)
+    optimized = fxfuse.optimize(model, (x,) if with_examples else None)
+    assert fused_op_count(optimized) == 1
+    _check_under_autocast(model, optimized, x, "cpu", fused_below=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for candidate in (model, optimized):  # (a batch of one row is groups of one value: eager's error)
+            with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+                candidate(torch.randn(1, 32))
+
+
 @pytest.mark.parametrize("name", ["prelu's fp32 slopes", "nn.PReLU's fp32 weight"])
 def test_prelu_of_fp32_slopes_under_autocast_is_eagers_bit_for_bit(name):
     """Autocast runs prelu in its lower dtype (its lower_precision_fp lists, CPU and CUDA), casting the fp32 slopes:
