@@ -1336,7 +1336,7 @@ def _spelled_op(node: fx.Node, gm: fx.GraphModule) -> Canonical | None:
     inplace = inplace or bool(arguments.get("inplace", False))
     first = arguments.get("input")
     try:
-        c = handler(arguments, inplace)
+        c = _differentiated_from_result(handler(arguments, inplace))
         c = dataclasses.replace(c, operands=tuple(_plain_scalar(o) for o in c.operands))
         return _with_size_expressions(node, c if out is None else _into_out(node, c, out))
     except NotFusible as reason:
@@ -1344,6 +1344,27 @@ def _spelled_op(node: fx.Node, gm: fx.GraphModule) -> Canonical | None:
     except (TypeError, ValueError) as error:  # a scalar argument is a traced value (Dynamo's dynamic floats)
         return Canonical("?", (first,) if isinstance(first, fx.Node) else (), {},
                          problem=f"an argument is computed in the graph, not a constant ({error})")
+
+
+# In place, eager differentiates these ops from their result, which takes their attribute to be 0 or more: its
+# backward raises for a negative one (or NaN), as eager's words it (by canonical op: the attribute, eager's name).
+_BACKWARD_FROM_RESULT = {"leaky_relu": ("negative_slope", "leakyReLu"), "elu": ("alpha", "elu")}
+
+
+def _differentiated_from_result(c: Canonical) -> Canonical:
+    """An in-place leaky_relu or elu (celu, rrelu outside training) with a negative slope or alpha: eager's backward
+    raises for it, where a fused op's would compute gradients. It is marked `backward_refused`, with the reason, which
+    the matcher gives where the graph may be differentiated (no_grad graphs of the backend fuse it)."""
+    if c.inplace_of is None or c.op not in _BACKWARD_FROM_RESULT:
+        return c
+    name, eager_name = _BACKWARD_FROM_RESULT[c.op]
+    value = c.attrs[name]
+    if value >= 0.0:
+        return c
+    reason = (f"in-place {c.op} with {name}={value!r}: eager's backward raises for it (\"In-place {eager_name} "
+              "backward calculation is triggered with a negative slope\"), a fused op's would compute gradients; not "
+              "fused in a graph that may be differentiated")
+    return dataclasses.replace(c, attrs={**c.attrs, "backward_refused": reason})
 
 
 def _into_out(node: fx.Node, c: Canonical, out) -> Canonical:

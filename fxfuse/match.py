@@ -34,7 +34,7 @@ logger = logging.getLogger("fxfuse")
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Canonical attributes that steer matching but are not part of the op's program signature.
 MATCHING_ATTRS = ("transpose_weight", "addmm_bias", "rank_needed", "dtype_needed", "normalized_size",
-                  "matrix_input", "writes_out", "steps")
+                  "matrix_input", "writes_out", "steps", "backward_refused")
 
 
 @dataclass
@@ -393,6 +393,8 @@ class _Growth:
             return f"{describe(node)} ({_target_name(node)}) is not an epilogue op"
         if c.problem:
             return c.problem
+        if c.attrs.get("backward_refused") and self.facts.differentiated:  # eager's backward raises for it
+            return c.attrs["backward_refused"]
         if c.op == LINEAR:
             return Boundary(f"{describe(node)} is another GEMM")
         # (an unread name of a value stays a member: `v = h[:]; h.mul_(2); v.relu()`, where the mul_ took v's readers)

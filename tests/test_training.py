@@ -10,6 +10,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import fxfuse
 from fxfuse.modelfile import example_files, load_model_file
@@ -616,3 +617,127 @@ def check_an_inference_tensor_that_eager_does_not_save_trains(mode, made_in_infe
     for (name, p_eager), p_fused in zip(eager.named_parameters(), model.parameters()):
         if p_eager.requires_grad:
             assert_close_report(p_fused.grad, p_eager.grad, rtol=1e-4, atol=1e-5, what=f"{name}'s gradient")
+
+
+# ---------------------------------------------------------------- in-place activations whose backward eager refuses
+
+class _InPlaceTail(nn.Module):
+    """A Linear, then `tail` (a function of h, or a module) on its output."""
+
+    def __init__(self, tail):
+        super().__init__()
+        self.fc = nn.Linear(16, 8)
+        self.tail = tail
+
+    def forward(self, x):
+        return self.tail(self.fc(x))
+
+
+class _EvalRReLU(nn.RReLU):
+    """An RReLU that stays in eval mode (leaky_relu with the bounds' mean) when its model trains."""
+
+    def train(self, mode=True):
+        return super().train(False)
+
+
+# Eager computes these in place and differentiates them from their result: with a negative slope or alpha (or a
+# negative mean of rrelu's bounds outside training) its backward raises; there is no Tensor method of these ops.
+BACKWARD_REFUSED = {
+    "F.leaky_relu(inplace=True)": lambda: (lambda h: F.leaky_relu(h, -0.1, inplace=True)),
+    "F.leaky_relu_": lambda: (lambda h: F.leaky_relu_(h, -0.1)),
+    "nn.LeakyReLU(inplace=True)": lambda: nn.LeakyReLU(-0.1, inplace=True),
+    "leaky_relu(nan slope, inplace=True)": lambda: (lambda h: F.leaky_relu(h, float("nan"), inplace=True)),
+    "F.elu(inplace=True)": lambda: (lambda h: F.elu(h, -0.5, inplace=True)),
+    "F.elu_": lambda: (lambda h: F.elu_(h, -0.5)),
+    "nn.ELU(inplace=True)": lambda: nn.ELU(-0.5, inplace=True),
+    "F.celu(inplace=True)": lambda: (lambda h: F.celu(h, -0.5, inplace=True)),
+    "torch.celu_": lambda: (lambda h: torch.celu_(h, -0.5)),
+    "nn.CELU(inplace=True)": lambda: nn.CELU(-0.5, inplace=True),
+    "F.rrelu(training=False, inplace=True)": lambda: (lambda h: F.rrelu(h, -0.3, -0.1, False, True)),
+    "torch.rrelu_(training=False)": lambda: (lambda h: torch.rrelu_(h, -0.3, -0.1, False)),
+    "nn.RReLU(inplace=True) in eval mode": lambda: _EvalRReLU(-0.3, -0.1, inplace=True),
+}
+# The same ops where eager's backward takes them: a slope or alpha of 0 or more (-0.0 too); and ops of the same
+# family that eager differentiates from their result in place without raising.
+BACKWARD_TAKEN = {
+    "F.leaky_relu(0.0, inplace=True)": (lambda h: F.leaky_relu(h, 0.0, inplace=True), "leaky_relu_("),
+    "F.leaky_relu_(-0.0)": (lambda h: F.leaky_relu_(h, -0.0), "leaky_relu_("),
+    "nn.LeakyReLU(0.2, inplace=True)": (nn.LeakyReLU(0.2, inplace=True), "leaky_relu_("),
+    "F.elu(0.0, inplace=True)": (lambda h: F.elu(h, 0.0, inplace=True), "elu_("),
+    "nn.ELU(inplace=True)": (nn.ELU(inplace=True), "elu_("),
+    "torch.celu_(0.5)": (lambda h: torch.celu_(h, 0.5), "elu_("),
+    "F.selu(inplace=True)": (lambda h: F.selu(h, inplace=True), "elu_("),
+    "F.rrelu_(training=False)": (lambda h: F.rrelu_(h, 0.1, 0.3, False), "leaky_relu_("),
+    "F.hardtanh_": (lambda h: F.hardtanh_(h, -0.5, 0.5), "hardtanh_("),
+    "F.threshold_": (lambda h: F.threshold_(h, 0.1, -2.0), "threshold_("),
+    "F.silu(inplace=True)": (lambda h: F.silu(h, inplace=True), "silu_("),
+    "F.mish(inplace=True)": (lambda h: F.mish(h, inplace=True), "mish_("),
+    "F.hardswish(inplace=True)": (lambda h: F.hardswish(h, inplace=True), "hardswish_("),
+    "F.hardsigmoid(inplace=True)": (lambda h: F.hardsigmoid(h, inplace=True), "hardsigmoid_("),
+}
+
+
+def _backward_error(model, x) -> str | None:
+    try:
+        model(x).sum().backward()
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("how", ["optimize", "compile"])
+@pytest.mark.parametrize("spelling", sorted(BACKWARD_REFUSED))
+def test_an_in_place_activation_whose_backward_eager_refuses_raises_as_eager(spelling, how, mode):
+    """In place, eager differentiates leaky_relu and elu (celu, rrelu outside training) from their result, which it
+    can't with a negative slope or alpha: its backward raises. A fused op's backward would compute gradients, so the
+    op is not fused where the graph may be differentiated (any of optimize()'s: an eval model's parameters still
+    require grad), and explain() says why."""
+    model, x = _InPlaceTail(BACKWARD_REFUSED[spelling]()).train(mode == "train"), torch.randn(4, 16)
+    expected = _backward_error(model, x)
+    assert expected is not None and "In-place" in expected, expected
+    if how == "optimize":
+        candidate = fxfuse.optimize(model, (x,))
+        report = candidate.fxfuse_report
+    else:
+        backend = fxfuse.make_backend(inner="eager")
+        candidate = torch.compile(model, backend=backend)
+    assert _backward_error(candidate, x) == expected
+    if how == "compile":
+        (report,) = backend.reports
+    assert not any("_(" in row.program for row in report.fused), report
+    reasons = [row.reason for row in report.near_misses]
+    assert any("eager's backward raises" in reason for reason in reasons), report
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("spelling", sorted(BACKWARD_REFUSED))
+def test_an_in_place_activation_whose_backward_eager_refuses_fuses_in_a_graph_without_grad(spelling):
+    """Dynamo's graph for a call without grad is never differentiated (it guards grad mode): the op fuses there."""
+    model, x = _InPlaceTail(BACKWARD_REFUSED[spelling]()).eval(), torch.randn(4, 16)
+    backend = fxfuse.make_backend(inner="eager")
+    with torch.no_grad():
+        expected = model(x.clone())
+        actual = torch.compile(model, backend=backend)(x.clone())
+    assert_close_report(actual, expected)
+    (report,) = backend.reports
+    assert [row.program.split("(")[0] for row in report.fused] in (["leaky_relu_"], ["elu_"]), report
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("how", ["optimize", "compile"])
+@pytest.mark.parametrize("spelling", sorted(BACKWARD_TAKEN))
+def test_an_in_place_activation_whose_backward_eager_takes_fuses_in_training(spelling, how):
+    tail, op = BACKWARD_TAKEN[spelling]
+    model, x = _InPlaceTail(tail).train(), torch.randn(4, 16)
+    if how == "optimize":
+        candidate = fxfuse.optimize(model, (x,))
+        report = candidate.fxfuse_report
+    else:
+        backend = fxfuse.make_backend(inner="eager")
+        candidate = torch.compile(model, backend=backend)
+    assert_gradients_match(model, candidate, [x])
+    if how == "compile":
+        report = backend.reports[0]
+    assert [op in row.program for row in report.fused] == [True], report
