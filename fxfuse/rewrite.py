@@ -268,6 +268,25 @@ def require_traced_as_tensor(value, name: str) -> None:
             "inputs to optimize the calls without it)")
 
 
+def _is_numpy_scalar(value) -> bool:
+    """A NumPy scalar (np.float32(2.0), np.bool_), which torch's ops read as a number; not an array, 0-d ones too."""
+    return type(value).__module__ == "numpy" and type(value).__name__ != "ndarray" and \
+        getattr(value, "ndim", None) == 0
+
+
+def require_tensor_or_number(value, name: str) -> None:
+    """Called by optimize()'s graphs first for a forward argument that a fused op reads as a param, or that one is made
+    of by tensor ops (`y * 2 + 1`): a tensor, a number (number_as_tensor) or None (require_param) is what the graph was
+    made for. Anything else, a NumPy array, a list, is what eager's ops compute with or raise for in their own ways
+    (`h + array` through NumPy where nothing requires grad, `torch.add(h, array)`'s TypeError), where the fused op's
+    schema would raise its own: the optimized model runs its model's forward instead (NotOptimizedForThisCall)."""
+    if value is None or isinstance(value, (torch.Tensor, numbers.Number)) or _is_numpy_scalar(value):
+        return
+    raise NotOptimizedForThisCall(
+        f"fxfuse: `{name}` is a {type(value).__module__}.{type(value).__qualname__}, where this part of the model was "
+        "optimized for a tensor or a number")
+
+
 def require_argument_rank(value, rank: int, what: str) -> None:
     """require_rank for a forward argument, called before the graph runs any op: for a tensor of another rank the
     optimized model runs its model's forward instead (NotOptimizedForThisCall). Anything but a tensor is left to
@@ -386,8 +405,7 @@ def number_as_tensor(value, refused_by: tuple = (), reads: tuple = ()):
     there (torch.maximum, prelu's slopes), whose references then raise eager's own TypeError; `reads`: the region's
     ops that read it (_param_read's), replayed with the number, which raise eager's TypeError where a program op that
     takes one stands for an op that does not (addcmul's `value * tensor1` is a mul)."""
-    is_numpy_scalar = type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0
-    if not (isinstance(value, numbers.Number) or is_numpy_scalar):
+    if not (isinstance(value, numbers.Number) or _is_numpy_scalar(value)):
         return value
     for op, position in refused_by:
         spec = EPILOGUE_OPS[op]
@@ -429,7 +447,8 @@ def _maybe_number(node, shapes_guarded: bool, following: dict) -> bool:
 
 
 # The checks optimize()'s graphs run before any op: where one fails, the optimized model runs its model's forward.
-FIRST_CHECKS = (require_traced_as_tensor, require_argument_rank, require_broadcast_rank, require_argument_dtype)
+FIRST_CHECKS = (require_traced_as_tensor, require_argument_rank, require_broadcast_rank, require_argument_dtype,
+                require_tensor_or_number)
 # What a rewritten graph calls beside its fused ops.
 GRAPH_HELPERS = (require_tensor, require_param, require_eval_mode, require_settings, require_matrix, require_rank,
                  require_features, require_out_without_grad, require_rank_at_least, require_dtype, *FIRST_CHECKS,
@@ -561,6 +580,10 @@ def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool,
             checked.update(f"{member.target}.{name}" for name in tensors)
             graph.call_function(require_settings, (region.x, graph.get_attr(member.target), member.target, settings,
                                                    kind_of(module), *((tensors,) if tensors else ())))
+        # A forward argument the fused op reads as a param, or that one is made of: a tensor or a number, checked first
+        if not shapes_guarded:
+            for argument in dict.fromkeys(a for p in region.params if p in following for a in following[p][0]):
+                _check_first(graph, position, require_tensor_or_number, (argument, argument.target))
         # A param the fused op reads of no folded module (whose require_settings checks it), or a forward argument:
         # None there reached the op's Tensor[] params, where eager's op raises (or computes without it).
         for p in region.params:

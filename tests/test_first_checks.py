@@ -253,3 +253,47 @@ def test_the_programs_these_checks_allow_run_on_the_kernels(forward, inputs, dty
     fallbacks = [r.getMessage() for r in caplog.records if "runs the reference" in r.getMessage()]
     assert not fallbacks, fallbacks
     Judge(model, dtype).check(out.detach(), inputs, "forward")
+
+
+# ---------------------------------------------------------------- a NumPy array where a fused op takes a param
+
+_READS_AN_ARGUMENT = {
+    "h + y": lambda m, x, y: torch.relu(m.fc(x) + y),
+    "y * h": lambda m, x, y: torch.relu(y * m.fc(x)),
+    "torch.add(h, y)": lambda m, x, y: torch.relu(torch.add(m.fc(x), y)),
+    "h.add(y)": lambda m, x, y: torch.relu(m.fc(x).add(y)),
+    "h + (y * 2 + 1)": lambda m, x, y: torch.relu(m.fc(x) + (y * 2 + 1)),
+}
+
+
+def _result_or_error(model, *inputs):
+    try:
+        return model(*inputs), None
+    except Exception as error:
+        return None, error
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+@pytest.mark.parametrize("examples", [True, False], ids=["examples", "no-examples"])
+@pytest.mark.parametrize("spelling", sorted(_READS_AN_ARGUMENT))
+@pytest.mark.parametrize("array", ["2-D", "1-D", "0-d"])
+def test_a_numpy_array_where_the_fused_op_takes_a_param_gives_eagers_result_or_error(array, spelling, examples, grad):
+    """The fused op took the array as a param, and its schema raised ("Expected a value of type 'List[Tensor]'"): eager
+    computes `h + array` through NumPy where nothing requires grad (NumPy's dtype: a 0-d float64 array makes the result
+    float64), raises its own RuntimeError where h requires grad, and torch.add its TypeError. An array is no tensor and
+    no number (a 0-d one neither: NumPy's scalars are): the optimized model runs its model's own forward for it."""
+    np = pytest.importorskip("numpy")
+    model = GemmThen(_READS_AN_ARGUMENT[spelling]).eval()
+    x = torch.randn(5, IN)
+    optimized = fxfuse.optimize(model, (x, torch.randn(5, OUT)) if examples else None)
+    assert fused_op_count(optimized) == 1, optimized.fxfuse_report
+    y = {"2-D": np.random.randn(5, OUT).astype(np.float32), "1-D": np.random.randn(OUT).astype(np.float32),
+         "0-d": np.array(2.0)}[array]
+    with torch.set_grad_enabled(grad):
+        expected, eager_error = _result_or_error(model, x, y.copy())
+        actual, error = _result_or_error(optimized, x, y.copy())
+    if eager_error is not None:
+        assert (type(error), str(error)) == (type(eager_error), str(eager_error))
+    else:
+        assert error is None, error
+        assert_close_report(actual, expected)
