@@ -1384,24 +1384,34 @@ def _into_out(node: fx.Node, c: Canonical, out) -> Canonical:
     return dataclasses.replace(c, inplace_of=out, attrs={**c.attrs, "writes_out": True})
 
 
-_UNSQUEEZE, _FLATTEN = _signature("(input, dim)"), _signature("(input, start_dim=0, end_dim=-1)")
+_RANK_CHANGES = {"unsqueeze": _signature("(input, dim)"), "flatten": _signature("(input, start_dim=0, end_dim=-1)"),
+                 "squeeze": _signature("(input, dim=None)")}
+# The offset rank_change gives a squeeze: ("squeeze", dims, more), the rank that squeezing `dims` (None: every dim) of
+# its input leaves, which the input's sizes tell at each call (squeezed_rank), and `more` dims more.
+SQUEEZED = "squeeze"
 
 
-def rank_change(node: fx.Node) -> tuple[fx.Node, int | None, int] | None:
+def rank_change(node: fx.Node) -> tuple[fx.Node, int | tuple | None, int] | None:
     """(input, offset, least) where `node` reshapes its input to a rank that follows from the input's alone: the
     result has max(rank + offset, least) dims (offset None: `least` whatever the rank), where eager computes it.
     `t.unsqueeze(d)`: one more; `t.flatten(s, e)` with dims of one sign: e - s fewer, else (s >= 0, e < 0) s - e of
-    any rank; 0-d flattens to 1-D. None for any other node (`t.squeeze(0)`, whose rank depends on a size)."""
-    if node.op == "call_method" and node.target in ("unsqueeze", "flatten"):
+    any rank; 0-d flattens to 1-D. `t.squeeze(d)`, whose rank depends on the input's sizes: (SQUEEZED, dims, 0), which
+    squeezed_rank evaluates on them. None for any other node."""
+    if node.op == "call_method" and node.target in _RANK_CHANGES:
         name = node.target
-    elif node.op == "call_function" and node.target in (torch.unsqueeze, torch.flatten):
+    elif node.op == "call_function" and node.target in (torch.unsqueeze, torch.flatten, torch.squeeze):
         name = node.target.__name__
     else:
         return None
+    args, signature = node.args, _RANK_CHANGES[name]
+    if node.op == "call_method" and name == "squeeze" and len(args) > 2:  # (the method takes dims as varargs too)
+        args = (args[0], tuple(args[1:]))
     try:
-        bound = (_UNSQUEEZE if name == "unsqueeze" else _FLATTEN).bind(*node.args, **node.kwargs)
+        bound = signature.bind(*args, **_from_numpy_keywords(node.kwargs, signature))
     except TypeError:
         return None
+    if name == "squeeze":
+        return _squeeze_change(bound.arguments)
     bound.apply_defaults()
     values = dict(bound.arguments)
     source = values.pop("input")
@@ -1414,6 +1424,31 @@ def rank_change(node: fx.Node) -> tuple[fx.Node, int | None, int] | None:
     if (start >= 0) == (end >= 0):
         return (source, start - end, 1) if start <= end else None  # (eager raises for start > end)
     return (source, None, start - end) if start >= 0 else None
+
+
+def _squeeze_change(arguments: dict) -> tuple | None:
+    """rank_change's (input, offset, least) of a squeeze of these bound arguments: `dim` left out (every dim), an int,
+    or a tuple or list of them (not a dim name, or dim=None, for which eager raises)."""
+    source, dims = arguments["input"], arguments.get("dim")
+    if "dim" in arguments and (dims is None or isinstance(dims, int)):
+        dims = (dims,)  # (None among the dims: refused below)
+    if not isinstance(source, fx.Node) or not (dims is None or isinstance(dims, (tuple, list)) and
+                                               all(isinstance(d, int) and not isinstance(d, bool) for d in dims)):
+        return None
+    return source, (SQUEEZED, None if dims is None else tuple(dims), 0), 0
+
+
+def squeezed_rank(shape, dims: tuple | None) -> int | None:
+    """The rank of `t.squeeze(dims)` for a tensor t of `shape` (dims None: every dim), as eager's squeeze makes it;
+    None where eager raises (a dim out of range, or given twice)."""
+    rank = len(shape)
+    if dims is None:
+        return sum(size != 1 for size in shape)
+    bound = max(rank, 1)  # (a 0-d tensor takes dim 0 or -1)
+    wrapped = [dim + bound if dim < 0 else dim for dim in dims]
+    if any(not 0 <= dim < bound for dim in wrapped) or len(set(wrapped)) != len(wrapped):
+        return None
+    return rank - sum(1 for dim in wrapped if rank and shape[dim] == 1)
 
 
 def _whole_view(node: fx.Node) -> Canonical | None:

@@ -20,7 +20,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .canonicalize import (IDENTITY, LINEAR, Attr, augmented_assignment, canonicalize, has_call_hooks, hooks_of,
-                           rank_change, restore_readers_outside_regions)
+                           rank_change, restore_readers_outside_regions, squeezed_rank)
 from .epilogue import EPILOGUE_OPS, NORM, POINTWISE, REDUCTION
 from .library import gemm_epilogue, gemm_epilogue_train
 from .match import Facts, Region, find_region, module_tensor, module_tensor_path
@@ -298,14 +298,26 @@ def require_argument_rank(value, rank: int, what: str) -> None:
 def require_broadcast_rank(values: tuple, least: int, rank: int, what: str, offsets: tuple | None = None) -> None:
     """require_argument_rank for a value that the graph makes of forward arguments by ops that keep their rank, with
     module tensors of up to `least` dims (`self.fc(x + 1)`), or change it by a fixed amount (`offsets`, one per
-    value, None where its rank does not count: `self.fc(x.unsqueeze(0))` is 1 more than x's): it has the most dims
-    of them, which, where not `rank`, runs the model's forward instead (NotOptimizedForThisCall). Anything but a
-    tensor has no dims to broadcast."""
+    value, None where its rank does not count: `self.fc(x.unsqueeze(0))` is 1 more than x's), or by what its sizes
+    tell (an offset (SQUEEZED, dims, more): `self.fc(x.squeeze(0).unsqueeze(0))` is x.squeeze(0)'s rank, 1 more): it
+    has the most dims of them, which, where not `rank`, runs the model's forward instead (NotOptimizedForThisCall), as
+    it does where eager's squeeze raises. Anything but a tensor has no dims to broadcast."""
     offsets = (0,) * len(values) if offsets is None else offsets
-    made = max([least, *(value.dim() + offset for value, offset in zip(values, offsets)
-                         if isinstance(value, torch.Tensor) and offset is not None)])
-    if made != rank:
-        raise NotOptimizedForThisCall(_rank_message(made, rank, what))
+    made = [least]
+    for value, offset in zip(values, offsets):
+        if not isinstance(value, torch.Tensor) or offset is None:
+            continue
+        if isinstance(offset, tuple):
+            _, dims, more = offset
+            squeezed = squeezed_rank(value.shape, dims)
+            if squeezed is None:
+                raise NotOptimizedForThisCall(f"fxfuse: eager's squeeze raises for an input of shape "
+                                              f"{tuple(value.shape)} (dims {dims})")
+            made.append(squeezed + more)
+        else:
+            made.append(value.dim() + offset)
+    if max(made) != rank:
+        raise NotOptimizedForThisCall(_rank_message(max(made), rank, what))
 
 
 def require_features(x, weight: torch.Tensor, features: int, dim: int, what: str) -> None:
@@ -463,25 +475,63 @@ def _is_argument(value) -> bool:
     return isinstance(value, fx.Node) and value.op == "placeholder"
 
 
-def _ranks_following_arguments(gm: fx.GraphModule, canon: dict) -> dict[fx.Node, tuple[dict, int]]:
+def _shifted(offset, more: int):
+    """An argument's offset (_ranks_following_arguments') of a value that an op makes `more` dims larger."""
+    if isinstance(offset, tuple):  # (SQUEEZED, dims, more)
+        return (*offset[:2], offset[2] + more)
+    return offset + more
+
+
+_UNKNOWN = object()
+
+
+def _larger_offset(a, b):
+    """Of two offsets of one argument that a value reads twice, the one that gives the more dims whatever its sizes
+    (a squeeze's gives its `more` dims past the argument's rank at most); _UNKNOWN where that depends on them."""
+    if a is None or a == b:
+        return b
+    if b is None:
+        return a
+    most_a, most_b = (offset[2] if isinstance(offset, tuple) else offset for offset in (a, b))
+    if not isinstance(a, tuple) and a >= most_b:
+        return a
+    if not isinstance(b, tuple) and b >= most_a:
+        return b
+    return _UNKNOWN
+
+
+def _ranks_following_arguments(gm: fx.GraphModule, canon: dict, mutations: list) -> dict[fx.Node, tuple[dict, int]]:
     """The values whose rank follows from forward arguments' ranks alone, whatever the call: value -> ({argument: its
     offset}, least); the value has max(least, each argument's rank + its offset) dims (an offset of None: the
     argument's rank does not count). These are values made of arguments, numbers and module tensors by ops that keep
     their value's rank (pointwise ops, no-ops, norms, reductions that keep the dim, and GEMMs with a module weight: an
     x of 1 dim or more keeps its rank; the most dims of their operands, module tensors' included), and by ops that
     change it by a fixed amount: a reduction over one dim without keepdim (one fewer, of 1 dim or more),
-    canonicalize.rank_change's (`unsqueeze`, `flatten`)."""
+    canonicalize.rank_change's (`unsqueeze`, `flatten`); and a squeeze of an argument, whose rank its sizes tell
+    (an offset (SQUEEZED, dims, more)), where no op before it may change the argument in place (`x.t_()`: the
+    sizes the first checks see are the call's). `mutations`: Facts.mutations'."""
     following = {}
+    changing = dict(mutations)
+    made_from = {}  # node -> the arguments it is made of (any of which it may be, `x.contiguous()`)
+    changed = set()  # the arguments that an op so far may have changed in place, or a value that may be one
     for node in gm.graph.nodes:
         c = canon.get(node)
+        inputs = [made_from[n] for n in node.all_input_nodes if n in made_from]
+        made_from[node] = frozenset({node}) if node.op == "placeholder" else \
+            inputs[0] if len(inputs) == 1 else frozenset().union(*inputs)
+        changed.update(*(made_from.get(m, ()) for m in changing.get(node, ()) if isinstance(m, fx.Node)))
         if node.op == "placeholder":
             following[node] = ({node: 0}, 0)
             continue
         reshaped = rank_change(node) if c is None else None
         if reshaped is not None and reshaped[0] in following:
             source, offset, least = reshaped
+            if isinstance(offset, tuple):  # (a squeeze: of an argument's own sizes, as the call gave them)
+                if source.op == "placeholder" and source not in changed:
+                    following[node] = ({source: offset}, least)
+                continue
             made_of, most = following[source]
-            following[node] = ({argument: None if offset is None or known is None else known + offset
+            following[node] = ({argument: None if offset is None or known is None else _shifted(known, offset)
                                 for argument, known in made_of.items()},
                                max(least, most + (offset or 0)) if offset is not None else least)
             continue
@@ -504,11 +554,13 @@ def _ranks_following_arguments(gm: fx.GraphModule, canon: dict) -> dict[fx.Node,
             made_of = {}
             for value in values:  # (an argument read twice counts with its larger offset)
                 for argument, offset in following[value][0].items():
-                    known = made_of.get(argument)
-                    made_of[argument] = offset if known is None or (offset is not None and offset > known) else known
+                    made_of[argument] = _larger_offset(made_of.get(argument), offset)
+            if _UNKNOWN in made_of.values():
+                continue
             most = max([*(following[value][1] for value in values), *(tensor.dim() for tensor in tensors)])
             if drops_dim:  # one dim fewer, of 1 dim or more (a 0-d value stays 0-d)
-                made_of = {argument: None if offset is None else offset - 1 for argument, offset in made_of.items()}
+                made_of = {argument: None if offset is None else _shifted(offset, -1)
+                           for argument, offset in made_of.items()}
                 most = max(most - 1, 0)
             following[node] = (made_of, most)
     return following
@@ -518,22 +570,27 @@ def _first_rank_checks(graph: fx.Graph, x, x_rank: int, following: dict) -> list
     """The checks (function, args) that, before any op, make x of `x_rank` as when traced, or hand the call to the
     model's forward: x's own rank where it is a forward argument; where x was made inside the graph and the example
     inputs gave it a rank, every tensor argument's example rank (the ranks of what a graph makes follow from its
-    inputs' ranks, but for ops such as squeeze(), which require_rank still catches); without them, the rank that the
-    arguments x's rank follows from make (`following`); else none."""
+    inputs' ranks, but for ops such as squeeze(), which require_rank still catches), and where x's rank follows from
+    a squeeze of an argument (`following`), the rank that its sizes make; without them, the rank that the arguments
+    x's rank follows from make (`following`); else none."""
     if _is_argument(x):
         return [(require_argument_rank, (x, x_rank, "input"))]
+    checks = []
     arguments = list(itertools.takewhile(lambda node: node.op == "placeholder", graph.nodes))  # (the graph's first)
     if isinstance(x, fx.Node) and isinstance(x.meta.get("val"), torch.Tensor) and \
             all("val" in node.meta for node in arguments):
-        return [(require_argument_rank, (node, node.meta["val"].dim(), "input"))
-                for node in arguments if isinstance(node.meta["val"], torch.Tensor)]
+        checks = [(require_argument_rank, (node, node.meta["val"].dim(), "input"))
+                  for node in arguments if isinstance(node.meta["val"], torch.Tensor)]
+        squeezed = x in following and any(isinstance(offset, tuple) for offset in following[x][0].values())
+        if not squeezed:  # (the arguments' ranks leave a squeeze's sizes open)
+            return checks
     if x in following:
         made_of, most = following[x]
         offsets = tuple(made_of.values())
         # (a graph of rank-keeping ops alone calls it as before this took offsets: unpickled graphs call it so too)
-        return [(require_broadcast_rank, (tuple(made_of), most, x_rank, "input",
-                                          *((offsets,) if any(offset != 0 for offset in offsets) else ())))]
-    return []
+        checks.append((require_broadcast_rank, (tuple(made_of), most, x_rank, "input",
+                                                *((offsets,) if any(offset != 0 for offset in offsets) else ()))))
+    return checks
 
 
 def _check_first(graph: fx.Graph, position: dict, check, args: tuple) -> None:
@@ -754,7 +811,7 @@ def fuse_graph(gm: fx.GraphModule, where: str = "", training: bool = False, shap
     _drop_unused_epilogue_ops(gm, canon, shapes_guarded)
     facts = Facts(gm, differentiated=training or not shapes_guarded, inputs_guarded=shapes_guarded)
     facts.position = {node: i for i, node in enumerate(gm.graph.nodes)}
-    following = {} if shapes_guarded else _ranks_following_arguments(gm, canon)
+    following = {} if shapes_guarded else _ranks_following_arguments(gm, canon, facts.mutations(canon))
     facts.made_of_arguments = frozenset(following)
     prefix = f"{where}." if where else ""
     anchors = [n for n, c in canon.items() if c.op == LINEAR and c.problem is None]

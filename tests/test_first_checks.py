@@ -2,10 +2,12 @@
 check before any op can tell (rewrite.py's FIRST_CHECKS), fuse, and a call of another rank or dtype gives eager's
 result or eager's error (the optimized model runs its model's own forward).
 
-Covered: the GEMM's input made by ops that change the rank by a fixed amount (`x.unsqueeze(0)`, `x.sum(1)`), an
+Covered: the GEMM's input made by ops that change the rank by a fixed amount (`x.unsqueeze(0)`, `x.sum(1)`) or by
+a squeeze of a forward argument, whose rank its sizes tell (`x.squeeze(0)`, with example inputs too), an
 outside operand made of forward arguments (`h + x.sum(-1, keepdim=True).unsqueeze(0)`, `h + y.unsqueeze(-1)`), and
 a forward argument that an add's or sub's alpha scales before the region reads it (`torch.sub(h, y, alpha=2)`).
 """
+import pickle
 import re
 
 import pytest
@@ -99,14 +101,94 @@ def test_an_input_made_by_rank_changes_fuses_in_bfloat16():
     _eager_or_its_error(model, optimized, torch.randn(4, IN, dtype=torch.bfloat16))
 
 
-def test_squeeze_does_not_change_the_rank_by_a_fixed_amount_and_stays_checked_after_it():
-    """x.squeeze(0) is of x's rank or one less, by x's size: no check before any op can tell. The fused op's own check
-    raises for a call of another rank (as without the rank changes)."""
-    model = GemmThen(lambda m, x, y: F.group_norm(m.fc(x.squeeze(0)), 4)).eval()
+# ---------------------------------------------------------------- the GEMM's input: squeeze, whose rank a size tells
+
+# (epilogue, the shape of x it fuses for, inputs of other shapes: of another rank after the squeeze, or of the same)
+_X_MADE_BY_SQUEEZE = [
+    (lambda m, x, y: F.group_norm(m.fc(x.squeeze(0)), 5), (1, 4, IN),
+     [(2, 4, IN), (2, 5, IN), (4, IN), (IN,), (1, 1, IN)]),
+    (lambda m, x, y: m.fc(x.squeeze()).softmax(1), (1, 5, 1, IN), [(2, 5, 1, IN), (5, IN), (1, 1, IN), (1, 5, IN)]),
+    (lambda m, x, y: m.fc(torch.squeeze(x, dim=0)).amax(1), (1, 5, IN), [(3, 5, IN), (5, IN)]),
+    (lambda m, x, y: F.group_norm(m.fc(x.squeeze((0, 2))), 5), (1, 4, 1, IN), [(1, 4, 2, IN), (2, 4, 1, IN),
+                                                                               (4, 1, 1, IN), (1, 4, IN), (4, IN)]),
+    (lambda m, x, y: m.fc(x.squeeze(0, 2).relu()).softmax(1), (1, 5, 1, IN), [(2, 5, 1, IN), (1, 5, IN)]),
+    (lambda m, x, y: m.fc(x.squeeze(-2).unsqueeze(0)).softmax(1), (1, IN), [(5, IN), (5, 1, IN), (IN,)]),
+    (lambda m, x, y: F.group_norm(m.fc(x.squeeze(0).unsqueeze(1).flatten(1)), 5), (1, 4, IN),
+     [(2, 4, IN), (4, IN)]),
+]
+_SQUEEZE_IDS = ["squeeze-group_norm", "squeeze-all-softmax", "torch.squeeze-amax", "squeeze-dims-group_norm",
+                "squeeze-varargs-relu-softmax", "squeeze-unsqueeze-softmax", "squeeze-unsqueeze-flatten-group_norm"]
+
+
+@pytest.mark.parametrize("forward, shape, others", _X_MADE_BY_SQUEEZE, ids=_SQUEEZE_IDS)
+def test_an_input_made_by_squeeze_is_checked_first_on_the_arguments_sizes(forward, shape, others):
+    """`fc(x.squeeze(0))` is 2-D for a 3-D x whose dim 0 is of size 1, or for a 2-D x of any sizes: the check before
+    any op computes the rank squeeze makes of x's sizes at each call. It was checked after the squeeze only
+    (require_rank), which raised fxfuse's error where eager computes, or raises its own."""
+    model = GemmThen(forward).eval()
+    optimized = _whole_chain_fused(model, (torch.randn(shape),))
+    assert _calls_of(optimized, require_broadcast_rank) == 1, optimized.code
+    for other in others:
+        _eager_or_its_error(model, optimized, torch.randn(other))
+
+
+@pytest.mark.parametrize("forward, shape, others", _X_MADE_BY_SQUEEZE, ids=_SQUEEZE_IDS)
+def test_an_input_made_by_squeeze_is_checked_first_with_example_inputs(forward, shape, others):
+    """With example inputs the forward arguments' ranks were checked first: a squeeze of an argument of that rank
+    but another size of 1 slipped through to require_rank, which raised fxfuse's error."""
+    model = GemmThen(forward).eval()
+    x = torch.randn(shape)
+    optimized = fxfuse.optimize(model, (x,))
+    assert fused_op_count(optimized) == 1, optimized.fxfuse_report
+    assert _calls_of(optimized, require_broadcast_rank) == 1, optimized.code
+    for other in (shape, *others):
+        _eager_or_its_error(model, optimized, torch.randn(other))
+
+
+@pytest.mark.parametrize("example_inputs", [None, (torch.randn(1, 4, IN),)], ids=["without", "with-example-inputs"])
+def test_an_input_made_by_squeeze_gives_eagers_gradients_in_train_mode(example_inputs):
+    model = GemmThen(lambda m, x, y: F.group_norm(m.fc(x.squeeze(0)), 5)).train()
+    optimized = fxfuse.optimize(model, example_inputs)
+    assert fused_op_count(optimized) == 1 and not optimized.fxfuse_report.near_misses, optimized.fxfuse_report
+    for shape in ((1, 4, IN), (2, 5, IN), (4, IN)):
+        assert_gradients_match(model, optimized, (torch.randn(shape),))
+
+
+class SqueezeThenGroupNorm(nn.Module):
+    """(a class of the module's own: pickle takes no lambda)"""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(IN, OUT)
+
+    def forward(self, x):
+        return F.group_norm(self.fc(x.squeeze(0)), 5)
+
+
+def test_the_check_of_a_squeeze_survives_pickling():
+    """The check's offset, ("squeeze", dims, more), is written in the graph's code, which unpickling traces again."""
+    model = SqueezeThenGroupNorm().eval()
+    restored = pickle.loads(pickle.dumps(fxfuse.optimize(model)))
+    assert fused_op_count(restored) == 1 and _calls_of(restored, require_broadcast_rank) == 1, restored.code
+    for shape in ((1, 4, IN), (2, 5, IN), (4, IN)):
+        _eager_or_its_error(model, restored, torch.randn(shape))
+
+
+@pytest.mark.parametrize("forward, shape", [
+    (lambda m, x, y: F.group_norm(m.fc((x.transpose_(0, 1), x)[1].squeeze(0)), 5), (4, 1, IN)),
+    (lambda m, x, y: F.group_norm(m.fc((x.contiguous().unsqueeze_(0), x)[1].squeeze(0)), 5), (4, IN)),
+    (lambda m, x, y: F.group_norm(m.fc((x.resize_(1, 4, IN), x)[1].squeeze(0)), 5), (4, IN)),
+], ids=["transpose_", "unsqueeze_-of-contiguous", "resize_"])
+def test_squeeze_after_an_op_that_may_change_the_arguments_shape_in_place_is_not_checked_first(forward, shape):
+    """A check before any op would see x's sizes before the in-place op (`x.contiguous()` is x itself where x is
+    contiguous): the squeeze's rank stays checked after it (require_rank), as before."""
+    model = GemmThen(forward).eval()
     optimized = fxfuse.optimize(model)
-    assert fused_op_count(optimized) == 1
+    assert fused_op_count(optimized) == 1, optimized.fxfuse_report
     assert _calls_of(optimized, require_broadcast_rank) == 0, optimized.code
-    _eager_or_its_error(model, optimized, torch.randn(1, 3, IN))
+    x = torch.randn(shape)
+    with torch.no_grad():
+        assert_close_report(optimized(x.clone()), model(x.clone()))
 
 
 # ---------------------------------------------------------------- an outside operand made of forward arguments
@@ -157,11 +239,26 @@ def test_an_operand_made_of_forward_arguments_of_other_ranks_types_or_dtypes_giv
         _eager_or_its_error(model, optimized, *inputs)
 
 
-def test_an_operand_that_squeeze_makes_of_a_forward_argument_is_a_near_miss_that_says_why():
+def test_an_operand_that_squeeze_makes_of_a_forward_argument_fuses():
+    """`y.squeeze(0)` is a tensor where y is: a near miss before ("cannot prove that `squeeze` is a tensor")."""
     model = GemmThen(lambda m, x, y: torch.relu(m.fc(x)) + y.squeeze(0)).eval()
+    optimized = _whole_chain_fused(model, (torch.randn(5, IN), torch.randn(1, OUT)))
+    for y in (torch.randn(OUT), torch.randn(2, 5, OUT), torch.randn(1, 5, 1), torch.randn(3, OUT), 2.5, None):
+        _eager_or_its_error(model, optimized, torch.randn(5, IN), y)
+
+
+@pytest.mark.parametrize("forward, shape", [
+    (lambda m, x, y: torch.relu(m.fc(x)) + (y * 2).squeeze(0), (1, OUT)),
+    (lambda m, x, y: torch.relu(m.fc(x)) + (y.t_(), y)[1].squeeze(0), (OUT, 1)),
+], ids=["of-a-value", "after-an-in-place-op"])
+def test_an_operand_that_squeeze_makes_of_no_argument_is_a_near_miss_that_says_why(forward, shape):
+    model = GemmThen(forward).eval()
     optimized = fxfuse.optimize(model)
     assert_reason(optimized, "cannot prove that `squeeze` is a tensor without example inputs")
-    _eager_or_its_error(model, optimized, torch.randn(5, IN), torch.randn(1, OUT))
+    assert_reason(optimized, "and a squeeze of an argument that no op before it may change in place")
+    x, y = torch.randn(5, IN), torch.randn(shape)
+    with torch.no_grad():  # (y.t_() changes y: each gets its own)
+        assert_close_report(optimized(x, y.clone()), model(x, y.clone()))
 
 
 # ---------------------------------------------------------------- a forward argument scaled before the region reads it
