@@ -685,6 +685,16 @@ def _backward_error(model, x) -> str | None:
     return None
 
 
+def _optimized_or_compiled(model, x, how: str):
+    """The model optimized ("optimize", with x as example input) or compiled with fxfuse's backend ("compile"), and
+    a function that gives its report (the compiled model's exists once it has run)."""
+    if how == "optimize":
+        optimized = fxfuse.optimize(model, (x,))
+        return optimized, lambda: optimized.fxfuse_report
+    backend = fxfuse.make_backend(inner="eager")
+    return torch.compile(model, backend=backend), lambda: backend.reports[0]
+
+
 @pytest.mark.usefixtures("fresh_dynamo")
 @pytest.mark.parametrize("mode", ["train", "eval"])
 @pytest.mark.parametrize("how", ["optimize", "compile"])
@@ -697,15 +707,9 @@ def test_an_in_place_activation_whose_backward_eager_refuses_raises_as_eager(spe
     model, x = _InPlaceTail(BACKWARD_REFUSED[spelling]()).train(mode == "train"), torch.randn(4, 16)
     expected = _backward_error(model, x)
     assert expected is not None and "In-place" in expected, expected
-    if how == "optimize":
-        candidate = fxfuse.optimize(model, (x,))
-        report = candidate.fxfuse_report
-    else:
-        backend = fxfuse.make_backend(inner="eager")
-        candidate = torch.compile(model, backend=backend)
+    candidate, report_of = _optimized_or_compiled(model, x, how)
     assert _backward_error(candidate, x) == expected
-    if how == "compile":
-        (report,) = backend.reports
+    report = report_of()
     assert not any("_(" in row.program for row in report.fused), report
     reasons = [row.reason for row in report.near_misses]
     assert any("eager's backward raises" in reason for reason in reasons), report
@@ -731,13 +735,7 @@ def test_an_in_place_activation_whose_backward_eager_refuses_fuses_in_a_graph_wi
 def test_an_in_place_activation_whose_backward_eager_takes_fuses_in_training(spelling, how):
     tail, op = BACKWARD_TAKEN[spelling]
     model, x = _InPlaceTail(tail).train(), torch.randn(4, 16)
-    if how == "optimize":
-        candidate = fxfuse.optimize(model, (x,))
-        report = candidate.fxfuse_report
-    else:
-        backend = fxfuse.make_backend(inner="eager")
-        candidate = torch.compile(model, backend=backend)
+    candidate, report_of = _optimized_or_compiled(model, x, how)
     assert_gradients_match(model, candidate, [x])
-    if how == "compile":
-        report = backend.reports[0]
+    report = report_of()
     assert [op in row.program for row in report.fused] == [True], report
