@@ -200,6 +200,26 @@ def _watching_mode_switches():
             setattr(owner, name, function)
 
 
+@contextlib.contextmanager
+def _watching_autograd_functions():
+    """Collects the autograd.Functions a forward applies while fx traces it. The trace runs a Function's forward on
+    proxies and records its ops as plain ones: the graph would train with autograd's gradients of those ops, not
+    the Function's own backward. `Function.apply` is wrapped for the trace's duration (a call from another thread
+    meanwhile counts too: the model is then tried child by child, which is never wrong)."""
+    applied: list[str] = []
+    original = vars(torch.autograd.Function)["apply"]
+
+    def apply(cls, *args, **kwargs):
+        applied.append(cls.__name__)
+        return original.__get__(None, cls)(*args, **kwargs)
+
+    torch.autograd.Function.apply = classmethod(apply)
+    try:
+        yield applied
+    finally:
+        torch.autograd.Function.apply = original
+
+
 def _none_defaults(model: nn.Module, given: int | None) -> dict[str, None]:
     """The forward's parameters past the `given` example inputs whose default is None: traced as None (fx checks
     at every call that they still are), not as a tensor that the trace would take `is not None` branches for.
@@ -333,11 +353,15 @@ def _trace(model: nn.Module, given_inputs: int | None, given_nones: Sequence[str
 def _traced(model: nn.Module, concrete: dict) -> tuple[_Tracer, fx.Graph]:
     """fx's trace of `model` with the `concrete` arguments fixed, or a RuntimeError saying what it can't keep."""
     tracer = _Tracer()
-    with _model_kept_as_it_was(model) as changed, _watching_mode_switches() as switched:
+    with _model_kept_as_it_was(model) as changed, _watching_mode_switches() as switched, \
+            _watching_autograd_functions() as applied:
         graph = tracer.trace(model, concrete_args=concrete or None)
     if changed:  # an fx trace runs what a forward does to its model once, at trace time, and records none of it
         raise RuntimeError(f"its forward {' and '.join(changed[:3])}, which an fx trace would run once, at "
                            "trace time (torch.compile(model, backend='fxfuse') keeps it)")
+    if applied:
+        raise RuntimeError(f"its forward applies the autograd.Function {' and '.join(sorted(set(applied)))}, whose "
+                           "backward an fx trace would drop (torch.compile(model, backend='fxfuse') keeps it)")
     _keep_argument_names(graph, concrete)
     if switched:
         raise RuntimeError(f"its forward switches {' and '.join(sorted(set(switched)))}, which an fx trace "

@@ -541,6 +541,48 @@ def test_optimize_leaves_a_forward_that_switches_grad_mode_to_its_children():
     assert "switches grad mode" in skipped.reason, skipped.reason
 
 
+class _ClampGradient(torch.autograd.Function):
+    """Identity forward whose backward clamps the incoming gradient: an fx trace records only the forward."""
+
+    @staticmethod
+    def forward(ctx, h):
+        return h.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.clamp(-0.01, 0.01)
+
+
+class LinearThroughAnAutogradFunction(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(6, 8)
+
+    def forward(self, x):
+        return torch.relu(self.linear(_ClampGradient.apply(x)) * 2.0)
+
+
+@pytest.mark.parametrize("with_inputs", [True, False])
+def test_optimize_leaves_a_forward_that_calls_an_autograd_function_to_its_children(with_inputs):
+    """fx traces an autograd.Function's forward as plain ops and drops its backward, so a traced graph would train
+    with other gradients. optimize() says so and leaves the model's own forward (its children are tried)."""
+    torch.manual_seed(0)
+    model, x = LinearThroughAnAutogradFunction().train(), torch.randn(5, 6, requires_grad=True)
+    optimized = fxfuse.optimize(model, (x,) if with_inputs else None)
+    assert_gradients_match(model, optimized, [x], rtol=1e-5, atol=1e-6)
+    (skipped,) = optimized.fxfuse_report.skipped
+    assert "autograd.Function _ClampGradient" in skipped.reason, skipped.reason
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_a_compiled_forward_that_calls_an_autograd_function_fuses_and_keeps_its_backward():
+    torch.manual_seed(0)
+    model, x = LinearThroughAnAutogradFunction().train(), torch.randn(5, 6, requires_grad=True)
+    compiled, report = _optimized_or_compiled(model, x, "compile")
+    assert_gradients_match(model, compiled, [x], rtol=1e-5, atol=1e-6)
+    assert len(report().fused) == 1, report()
+
+
 @pytest.mark.parametrize("in_features, out_features", [(0, 6), (8, 0)])
 def test_a_linear_with_no_features_trains(in_features, out_features):
     """The linear's gradients reshaped y's gradient to (-1, 0) rows: ambiguous for a tensor of no elements."""
