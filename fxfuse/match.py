@@ -298,7 +298,8 @@ class _Growth:
                     operand not in self.facts.made_of_arguments:
                 return (f"cannot prove that {describe(operand)} is a tensor without example inputs (of forward "
                         "arguments, only what pointwise ops, norms, reductions over one dim, unsqueeze and flatten "
-                        "make is, and a squeeze of an argument that no op before it may change in place)")
+                        "make is, and a squeeze of an argument, or of pointwise ops of it and numbers, that no op "
+                        "before it may change in place)")
         tensor = self.facts.tensor(operand)
         if tensor is not None and tensor.dtype != dtype:
             value = torch.empty(0, dtype=dtype, device="meta")

@@ -507,13 +507,15 @@ def _ranks_following_arguments(gm: fx.GraphModule, canon: dict, mutations: list)
     their value's rank (pointwise ops, no-ops, norms, reductions that keep the dim, and GEMMs with a module weight: an
     x of 1 dim or more keeps its rank; the most dims of their operands, module tensors' included), and by ops that
     change it by a fixed amount: a reduction over one dim without keepdim (one fewer, of 1 dim or more),
-    canonicalize.rank_change's (`unsqueeze`, `flatten`); and a squeeze of an argument, whose rank its sizes tell
-    (an offset (SQUEEZED, dims, more)), where no op before it may change the argument in place (`x.t_()`: the
-    sizes the first checks see are the call's). `mutations`: Facts.mutations'."""
+    canonicalize.rank_change's (`unsqueeze`, `flatten`); and a squeeze of an argument, or of what ops that keep
+    its shape make of it alone (`x.relu().squeeze(0)`), whose rank the argument's sizes tell (an offset (SQUEEZED,
+    dims, more)), where no op before it may change the argument in place (`x.t_()`: the sizes the first checks see
+    are the call's). `mutations`: Facts.mutations'."""
     following = {}
     changing = dict(mutations)
     made_from = {}  # node -> the arguments it is made of (any of which it may be, `x.contiguous()`)
     changed = set()  # the arguments that an op so far may have changed in place, or a value that may be one
+    shaped_as = {}  # node -> the argument whose shape it has: the argument, and unary pointwise ops and no-ops of it
     for node in gm.graph.nodes:
         c = canon.get(node)
         inputs = [made_from[n] for n in node.all_input_nodes if n in made_from]
@@ -522,13 +524,17 @@ def _ranks_following_arguments(gm: fx.GraphModule, canon: dict, mutations: list)
         changed.update(*(made_from.get(m, ()) for m in changing.get(node, ()) if isinstance(m, fx.Node)))
         if node.op == "placeholder":
             following[node] = ({node: 0}, 0)
+            shaped_as[node] = node
             continue
+        if _keeps_its_operands_shape(c) and c.operands[0] in shaped_as:
+            shaped_as[node] = shaped_as[c.operands[0]]
         reshaped = rank_change(node) if c is None else None
         if reshaped is not None and reshaped[0] in following:
             source, offset, least = reshaped
             if isinstance(offset, tuple):  # (a squeeze: of an argument's own sizes, as the call gave them)
-                if source.op == "placeholder" and source not in changed:
-                    following[node] = ({source: offset}, least)
+                argument = shaped_as.get(source)
+                if argument is not None and argument not in changed:
+                    following[node] = ({argument: offset}, least)
                 continue
             made_of, most = following[source]
             following[node] = ({argument: None if offset is None or known is None else _shifted(known, offset)
@@ -564,6 +570,17 @@ def _ranks_following_arguments(gm: fx.GraphModule, canon: dict, mutations: list)
                 most = max(most - 1, 0)
             following[node] = (made_of, most)
     return following
+
+
+def _keeps_its_operands_shape(c) -> bool:
+    """Whether canonical op `c` makes a value of its one tensor operand's shape: a pointwise op or a no-op whose
+    other operands are numbers (a tensor among them may broadcast it to more dims)."""
+    if c is None or c.problem or not c.operands or not isinstance(c.operands[0], fx.Node):
+        return False
+    spec = EPILOGUE_OPS.get(c.op)
+    if c.op != IDENTITY and (spec is None or spec.kind != POINTWISE):
+        return False
+    return all(isinstance(o, (int, float)) and not isinstance(o, bool) for o in c.operands[1:])
 
 
 def _first_rank_checks(graph: fx.Graph, x, x_rank: int, following: dict) -> list[tuple]:

@@ -115,9 +115,13 @@ _X_MADE_BY_SQUEEZE = [
     (lambda m, x, y: m.fc(x.squeeze(-2).unsqueeze(0)).softmax(1), (1, IN), [(5, IN), (5, 1, IN), (IN,)]),
     (lambda m, x, y: F.group_norm(m.fc(x.squeeze(0).unsqueeze(1).flatten(1)), 5), (1, 4, IN),
      [(2, 4, IN), (4, IN)]),
+    (lambda m, x, y: m.fc(x.relu().mul(2).contiguous().squeeze(0)).softmax(1), (1, 5, IN),
+     [(2, 5, IN), (5, IN), (1, 1, IN)]),
+    (lambda m, x, y: F.group_norm(m.fc(torch.squeeze(F.silu(x) - 1.5, 0)), 5), (1, 4, IN), [(2, 4, IN), (4, IN)]),
 ]
 _SQUEEZE_IDS = ["squeeze-group_norm", "squeeze-all-softmax", "torch.squeeze-amax", "squeeze-dims-group_norm",
-                "squeeze-varargs-relu-softmax", "squeeze-unsqueeze-softmax", "squeeze-unsqueeze-flatten-group_norm"]
+                "squeeze-varargs-relu-softmax", "squeeze-unsqueeze-softmax", "squeeze-unsqueeze-flatten-group_norm",
+                "relu-mul-contiguous-squeeze-softmax", "silu-sub-squeeze-group_norm"]
 
 
 @pytest.mark.parametrize("forward, shape, others", _X_MADE_BY_SQUEEZE, ids=_SQUEEZE_IDS)
@@ -178,7 +182,8 @@ def test_the_check_of_a_squeeze_survives_pickling():
     (lambda m, x, y: F.group_norm(m.fc((x.transpose_(0, 1), x)[1].squeeze(0)), 5), (4, 1, IN)),
     (lambda m, x, y: F.group_norm(m.fc((x.contiguous().unsqueeze_(0), x)[1].squeeze(0)), 5), (4, IN)),
     (lambda m, x, y: F.group_norm(m.fc((x.resize_(1, 4, IN), x)[1].squeeze(0)), 5), (4, IN)),
-], ids=["transpose_", "unsqueeze_-of-contiguous", "resize_"])
+    (lambda m, x, y: F.group_norm(m.fc((x.unsqueeze_(0), x.relu())[1].squeeze(0)), 5), (4, IN)),
+], ids=["transpose_", "unsqueeze_-of-contiguous", "resize_", "unsqueeze_-then-relu"])
 def test_squeeze_after_an_op_that_may_change_the_arguments_shape_in_place_is_not_checked_first(forward, shape):
     """A check before any op would see x's sizes before the in-place op (`x.contiguous()` is x itself where x is
     contiguous): the squeeze's rank stays checked after it (require_rank), as before."""
@@ -189,6 +194,23 @@ def test_squeeze_after_an_op_that_may_change_the_arguments_shape_in_place_is_not
     x = torch.randn(shape)
     with torch.no_grad():
         assert_close_report(optimized(x.clone()), model(x.clone()))
+
+
+@pytest.mark.parametrize("forward", [
+    lambda m, x, y: F.group_norm(m.fc((x * m.fc.weight[0]).squeeze(0)), 5),
+    lambda m, x, y: F.group_norm(m.fc((x + y).squeeze(0)), 5),
+    lambda m, x, y: F.group_norm(m.fc(x.sum(0, keepdim=True).squeeze(0)), 5),
+], ids=["times-a-module-tensor", "plus-an-argument", "sum"])
+def test_squeeze_of_a_value_that_may_have_another_shape_than_an_argument_is_not_checked_first(forward):
+    """`x * w` may broadcast x to more dims, `x + y` to y's, and a reduction drops sizes: the squeeze's input has
+    no argument's sizes, and its rank stays checked after it (require_rank)."""
+    model = GemmThen(forward).eval()
+    optimized = fxfuse.optimize(model)
+    assert fused_op_count(optimized) == 1, optimized.fxfuse_report
+    assert _calls_of(optimized, require_broadcast_rank) == 0, optimized.code
+    x, y = torch.randn(1, 4, IN), torch.randn(1, 4, IN)
+    with torch.no_grad():
+        assert_close_report(optimized(x, y), model(x, y))
 
 
 # ---------------------------------------------------------------- an outside operand made of forward arguments
@@ -239,23 +261,28 @@ def test_an_operand_made_of_forward_arguments_of_other_ranks_types_or_dtypes_giv
         _eager_or_its_error(model, optimized, *inputs)
 
 
-def test_an_operand_that_squeeze_makes_of_a_forward_argument_fuses():
+@pytest.mark.parametrize("forward", [
+    lambda m, x, y: torch.relu(m.fc(x)) + y.squeeze(0),
+    lambda m, x, y: torch.relu(m.fc(x)) + (y * 2).squeeze(0),
+], ids=["of-the-argument", "of-a-pointwise-op-of-it"])
+def test_an_operand_that_squeeze_makes_of_a_forward_argument_fuses(forward):
     """`y.squeeze(0)` is a tensor where y is: a near miss before ("cannot prove that `squeeze` is a tensor")."""
-    model = GemmThen(lambda m, x, y: torch.relu(m.fc(x)) + y.squeeze(0)).eval()
+    model = GemmThen(forward).eval()
     optimized = _whole_chain_fused(model, (torch.randn(5, IN), torch.randn(1, OUT)))
     for y in (torch.randn(OUT), torch.randn(2, 5, OUT), torch.randn(1, 5, 1), torch.randn(3, OUT), 2.5, None):
         _eager_or_its_error(model, optimized, torch.randn(5, IN), y)
 
 
 @pytest.mark.parametrize("forward, shape", [
-    (lambda m, x, y: torch.relu(m.fc(x)) + (y * 2).squeeze(0), (1, OUT)),
+    (lambda m, x, y: torch.relu(m.fc(x)) + (y * m.fc.bias).squeeze(0), (1, OUT)),
     (lambda m, x, y: torch.relu(m.fc(x)) + (y.t_(), y)[1].squeeze(0), (OUT, 1)),
 ], ids=["of-a-value", "after-an-in-place-op"])
 def test_an_operand_that_squeeze_makes_of_no_argument_is_a_near_miss_that_says_why(forward, shape):
     model = GemmThen(forward).eval()
     optimized = fxfuse.optimize(model)
     assert_reason(optimized, "cannot prove that `squeeze` is a tensor without example inputs")
-    assert_reason(optimized, "and a squeeze of an argument that no op before it may change in place")
+    assert_reason(optimized, "and a squeeze of an argument, or of pointwise ops of it and numbers, that no op before "
+                             "it may change in place")
     x, y = torch.randn(5, IN), torch.randn(shape)
     with torch.no_grad():  # (y.t_() changes y: each gets its own)
         assert_close_report(optimized(x, y.clone()), model(x, y.clone()))
