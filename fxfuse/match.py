@@ -239,6 +239,9 @@ class _Growth:
         self.dropped: set[int] = set()          # reduced values without the features dim (keepdim=False)
         self.one_feature: set[int] = set()      # reduced values whose features dim is provably one value
         self.min_rank: dict[int, int] = {}      # value index -> the least rank it can have (a GEMM output: 1)
+        # value index -> the least rank it has at every call, whatever the example inputs' ranks: what the module
+        # tensors it broadcasts with give it (a GEMM output: 1)
+        self.least_rank: dict[int, int] = {}
         # (x's rank that an admitted op's meaning depends on, the member count before that op)
         self.x_rank: tuple[int, int] | None = None
         self.dtypes: list[tuple[tuple, int, str]] = []  # (an admitted idiom's dtypes, the members before it, its op)
@@ -343,7 +346,8 @@ class _Growth:
         self.add_member(self.anchor, c)
         self.value[self.anchor] = 0
         self.rank[0] = None if x_tensor is None else x_tensor.dim()
-        self.min_rank[0] = self.rank[0] or (2 if c.attrs.get("matrix_input") else 1)  # linear takes a 1-D input
+        self.least_rank[0] = 2 if c.attrs.get("matrix_input") else 1  # linear takes a 1-D input
+        self.min_rank[0] = self.rank[0] or self.least_rank[0]
         addmm_bias = self.facts.resolve(c.attrs.get("addmm_bias"))
         if addmm_bias is not None:  # addmm's input broadcasts like an added tensor
             problem = self.outside_operand_problem(addmm_bias, self.dtype)
@@ -373,6 +377,11 @@ class _Growth:
         least = max([self.min_rank[o.index] for o in operands if isinstance(o, Value)] +
                     [self.facts.rank(self.params[o.index]) or 0 for o in operands if isinstance(o, Param)])
         self.min_rank[index] = rank if rank is not None else least - drops_dim
+        least_at_every_call = max([self.least_rank[o.index] for o in operands if isinstance(o, Value)] +
+                                  [self.facts.rank(self.params[o.index]) or 0 for o in operands
+                                   if isinstance(o, Param) and module_tensor_path(self.params[o.index]) is not None],
+                                  default=0)
+        self.least_rank[index] = max(least_at_every_call - drops_dim, 0)
         if reduced:
             self.reduced.add(index)
         if dropped:
@@ -621,9 +630,9 @@ class _Growth:
                     and not gemm_input:
                 return (f"in-place {describe(node)} reads {describe(outside)}, whose shape and dtype may differ at a "
                         "later call, where eager keeps the mutated value's (or raises)")
-        if self.facts.tensor(node) is not None:
-            return self._fits_the_example_sizes_only(node, operands)
         target = self.value.get(mutated)
+        if self.facts.tensor(node) is not None:
+            return self._fits_the_example_sizes_only(node, operands, target)
         if target is None:
             return f"in-place {describe(node)} mutates {describe(mutated)}, which the region does not compute"
         for operand in operands:
@@ -653,12 +662,13 @@ class _Growth:
                             "the mutated value may have fewer (pass example inputs)")
         return None
 
-    def _fits_the_example_sizes_only(self, node: fx.Node, operands) -> str | None:
+    def _fits_the_example_sizes_only(self, node: fx.Node, operands, target: int | None) -> str | None:
         """The example inputs ran the in-place op, which proves that an outside tensor fits the mutated value at their
         sizes only: the value's dims before the features are the caller's (the rows of x), so a tensor with a size
         other than 1 there (`h.mul_(self.row_scale)` of a (batch, 1) buffer) makes eager raise at another batch size,
         where the fused op would broadcast the value to the tensor's rows; and one of more dims than x has at a
-        later call would give the value more, where eager raises: x must have as many (`require_rank_at_least`).
+        later call would give the value more, where eager raises: x must have as many (`require_rank_at_least`),
+        unless the module tensors the mutated value (`target`) broadcasts with give it as many at every call.
         Dynamo's graphs are guarded on their inputs' sizes; the GEMM's own input has the value's leading dims
         (`out += x`)."""
         if self.facts.inputs_guarded:
@@ -674,7 +684,8 @@ class _Growth:
             if any(d != 1 for d in shape[:-1]):
                 return (f"in-place {describe(node)} reads {describe(outside)} of shape {shape}, which fits the mutated "
                         "value at the example inputs' sizes only (eager raises at others)")
-            if len(shape) > 1:  # (x has a dim at least: the value has its rank, or more after a broadcast)
+            # (x has a dim at least: the value has its rank, or more after a broadcast)
+            if len(shape) > 1 and (target is None or len(shape) > self.least_rank.get(target, 0)):
                 self.x_ranks_at_least.append((len(self.members), len(shape)))
         return None
 
@@ -774,6 +785,7 @@ class _Growth:
         for index in [i for i in self.rank if i > n_instructions]:
             del self.rank[index]
             self.min_rank.pop(index, None)
+            self.least_rank.pop(index, None)
             self.reduced.discard(index)
             self.dropped.discard(index)
             self.one_feature.discard(index)

@@ -3110,6 +3110,25 @@ def test_an_in_place_op_of_a_module_tensor_of_one_row_fuses_with_example_inputs(
             candidate(torch.randn(IN))
 
 
+def bound_by_a_row_buffer_then_add_another_in_place(m, x, y):
+    h = torch.minimum(m.fc(x), m.row_bound)
+    h.add_(m.row_shift)
+    return h
+
+
+@pytest.mark.parametrize("with_examples", [True, False], ids=["example-inputs", "no-example-inputs"])
+def test_an_in_place_op_of_a_row_buffer_into_a_value_a_row_buffer_made_2_d_takes_a_1_d_input(with_examples):
+    """A (1, features) buffer added in place into a value that an earlier (1, features) buffer made 2-D fits it for
+    every input, a 1-D one too (eager gives a (1, features) result): with example inputs, the fused op required x
+    to have 2 dims and raised fxfuse's error."""
+    model = GemmThen(bound_by_a_row_buffer_then_add_another_in_place, row_bound=torch.randn(1, OUT),
+                     row_shift=torch.randn(1, OUT)).eval()
+    optimized = assert_whole_chain_fused(model, (rows(),), example_inputs=None if with_examples else False)
+    with torch.no_grad():
+        for x in (torch.randn(IN), rows(batch=5), torch.randn(2, BATCH, IN)):
+            assert_close_report(optimized(x), model(x))
+
+
 def _first_line_of_error(call):
     try:
         call()
