@@ -239,8 +239,8 @@ class _Growth:
         self.dropped: set[int] = set()          # reduced values without the features dim (keepdim=False)
         self.one_feature: set[int] = set()      # reduced values whose features dim is provably one value
         self.min_rank: dict[int, int] = {}      # value index -> the least rank it can have (a GEMM output: 1)
-        # value index -> the least rank it has at every call, whatever the example inputs' ranks: what the module
-        # tensors it broadcasts with give it (a GEMM output: 1)
+        # value index -> the least rank it has at every call, whatever the example inputs' ranks: what the tensors it
+        # broadcasts with that no input makes (module tensors, constants) give it (a GEMM output: 1)
         self.least_rank: dict[int, int] = {}
         # (x's rank that an admitted op's meaning depends on, the member count before that op)
         self.x_rank: tuple[int, int] | None = None
@@ -379,7 +379,7 @@ class _Growth:
         self.min_rank[index] = rank if rank is not None else least - drops_dim
         least_at_every_call = max([self.least_rank[o.index] for o in operands if isinstance(o, Value)] +
                                   [self.facts.rank(self.params[o.index]) or 0 for o in operands
-                                   if isinstance(o, Param) and module_tensor_path(self.params[o.index]) is not None],
+                                   if isinstance(o, Param) and not _reads_input(self.params[o.index])],
                                   default=0)
         self.least_rank[index] = max(least_at_every_call - drops_dim, 0)
         if reduced:
@@ -452,8 +452,9 @@ class _Growth:
             least, rank = c.attrs.get("rank_at_least"), self.rank.get(values[0].index)
             if least is not None and rank is not None and rank < least:
                 return f"{describe(node)} indexes {least} dims of a {rank}-D value (eager raises)"
-            if least is not None and rank is None and self.min_rank[values[0].index] < least:
-                self.x_ranks_at_least.append((len(self.members), least))  # x of that many dims gives its value them
+            # (x of that many dims gives its value them; the example inputs' ranks hold for them only)
+            if least is not None and self.least_rank[values[0].index] < least and not self.facts.inputs_guarded:
+                self.x_ranks_at_least.append((len(self.members), least))
             self.add_member(node, c)
             self.value[node] = values[0].index
             return None
