@@ -242,6 +242,8 @@ class _Growth:
         # value index -> the least rank it has at every call, whatever the example inputs' ranks: what the tensors it
         # broadcasts with that no input makes (module tensors, constants) give it (a GEMM output: 1)
         self.least_rank: dict[int, int] = {}
+        # value index -> how many dims fewer than x it may have (the dims that reductions without keepdim dropped)
+        self.dims_below_x: dict[int, int] = {}
         # (x's rank that an admitted op's meaning depends on, the member count before that op)
         self.x_rank: tuple[int, int] | None = None
         self.dtypes: list[tuple[tuple, int, str]] = []  # (an admitted idiom's dtypes, the members before it, its op)
@@ -347,6 +349,7 @@ class _Growth:
         self.value[self.anchor] = 0
         self.rank[0] = None if x_tensor is None else x_tensor.dim()
         self.least_rank[0] = 2 if c.attrs.get("matrix_input") else 1  # linear takes a 1-D input
+        self.dims_below_x[0] = 0
         self.min_rank[0] = self.rank[0] or self.least_rank[0]
         addmm_bias = self.facts.resolve(c.attrs.get("addmm_bias"))
         if addmm_bias is not None:  # addmm's input broadcasts like an added tensor
@@ -382,6 +385,8 @@ class _Growth:
                                    if isinstance(o, Param) and not _reads_input(self.params[o.index])],
                                   default=0)
         self.least_rank[index] = max(least_at_every_call - drops_dim, 0)
+        self.dims_below_x[index] = min((self.dims_below_x[o.index] for o in operands if isinstance(o, Value)),
+                                       default=0) + drops_dim
         if reduced:
             self.reduced.add(index)
         if dropped:
@@ -454,7 +459,7 @@ class _Growth:
                 return f"{describe(node)} indexes {least} dims of a {rank}-D value (eager raises)"
             # (x of that many dims gives its value them; the example inputs' ranks hold for them only)
             if least is not None and self.least_rank[values[0].index] < least and not self.facts.inputs_guarded:
-                self.x_ranks_at_least.append((len(self.members), least))
+                self.x_ranks_at_least.append((len(self.members), least + self.dims_below_x[values[0].index]))
             self.add_member(node, c)
             self.value[node] = values[0].index
             return None
@@ -687,7 +692,7 @@ class _Growth:
                         "value at the example inputs' sizes only (eager raises at others)")
             # (x has a dim at least: the value has its rank, or more after a broadcast)
             if len(shape) > 1 and (target is None or len(shape) > self.least_rank.get(target, 0)):
-                self.x_ranks_at_least.append((len(self.members), len(shape)))
+                self.x_ranks_at_least.append((len(self.members), len(shape) + self.dims_below_x.get(target, 0)))
         return None
 
     def result_rank(self, operands) -> int | None:
@@ -787,6 +792,7 @@ class _Growth:
             del self.rank[index]
             self.min_rank.pop(index, None)
             self.least_rank.pop(index, None)
+            self.dims_below_x.pop(index, None)
             self.reduced.discard(index)
             self.dropped.discard(index)
             self.one_feature.discard(index)

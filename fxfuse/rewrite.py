@@ -340,6 +340,15 @@ def require_rank_at_least(tensor: torch.Tensor, rank: int, what: str) -> None:
                            "fxfuse.optimize() with example inputs of this rank")
 
 
+def require_argument_rank_at_least(value, rank: int, what: str) -> None:
+    """require_rank_at_least for a forward argument, called before the graph runs any op: for a tensor of fewer dims
+    the optimized model runs its model's forward instead (NotOptimizedForThisCall), which gives eager's error (or, where
+    a forward argument's broadcast gave the value the dims after all, eager's result)."""
+    if isinstance(value, torch.Tensor) and value.dim() < rank:
+        raise NotOptimizedForThisCall(f"fxfuse: this part of the model was optimized for an {what} of {rank} dims or "
+                                      f"more; got a {value.dim()}-D one")
+
+
 def _dtype_problem(x: torch.Tensor, dtypes: tuple, ops: str) -> str | None:
     """Why a program whose idioms are their ops in `dtypes` only does not hold for the dtype the epilogue computes in
     now, x's or autocast's; None where it holds."""
@@ -460,7 +469,7 @@ def _maybe_number(node, shapes_guarded: bool, following: dict) -> bool:
 
 # The checks optimize()'s graphs run before any op: where one fails, the optimized model runs its model's forward.
 FIRST_CHECKS = (require_traced_as_tensor, require_argument_rank, require_broadcast_rank, require_argument_dtype,
-                require_tensor_or_number)
+                require_tensor_or_number, require_argument_rank_at_least)
 # What a rewritten graph calls beside its fused ops.
 GRAPH_HELPERS = (require_tensor, require_param, require_eval_mode, require_settings, require_matrix, require_rank,
                  require_features, require_out_without_grad, require_rank_at_least, require_dtype, *FIRST_CHECKS,
@@ -678,6 +687,11 @@ def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool,
                 _check_first(graph, position, check, args)
             graph.call_function(require_rank, (region.x, region.x_rank, "input"))
         if region.x_rank_at_least is not None and (region.x_rank or 0) < region.x_rank_at_least and not shapes_guarded:
+            # (first, for a forward argument, where a call of fewer dims can still run the model's own forward; the
+            # check here stays: an op between may change its rank in place)
+            if _is_argument(region.x):
+                _check_first(graph, position, require_argument_rank_at_least,
+                             (region.x, region.x_rank_at_least, "input"))
             graph.call_function(require_rank_at_least, (region.x, region.x_rank_at_least, "input"))
         if _is_argument(region.weight) and not shapes_guarded:
             _check_first(graph, position, require_argument_rank, (region.weight, 2, "weight"))

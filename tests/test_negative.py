@@ -619,14 +619,36 @@ def test_in_place_op_on_a_whole_view_fuses(epilogue, with_examples):
 
 @pytest.mark.parametrize("with_examples", [True, False], ids=["example-inputs", "no-example-inputs"])
 def test_in_place_op_on_a_whole_view_of_more_dims_than_the_input_has_raises_as_eager(with_examples):
-    """`h[:, :]` of a 1-D GEMM output raises in eager: the fused op checks x's rank, also where the example inputs
-    were 2-D (a later call's 1-D input ran the fused op, where eager raises)."""
+    """`h[:, :]` of a 1-D GEMM output raises in eager: the fused op checks x's rank first, also where the example
+    inputs were 2-D (a later call's 1-D input ran the fused op, where eager raises), and a 1-D x runs the model's own
+    forward, which raises eager's error."""
     model = GemmThen(slice_mul_then_read_both).eval()
     optimized = assert_fuses(model, (rows(),), example_inputs=None if with_examples else False)
-    with pytest.raises(IndexError):
-        model(torch.randn(IN))
-    with pytest.raises(RuntimeError, match="optimized for an input of 2 dims or more"):
-        optimized(torch.randn(IN))
+    for candidate in (model, optimized):
+        with pytest.raises(IndexError, match="too many indices"):
+            candidate(torch.randn(IN))
+
+
+def sum_then_scale_a_whole_view(m, x, y):
+    h = m.fc(x).sum(-1)
+    h[:, :].mul_(2)
+    return h
+
+
+@pytest.mark.parametrize("with_examples", [True, False], ids=["example-inputs", "no-example-inputs"])
+def test_a_whole_view_after_a_reduction_without_keepdim_needs_a_dim_more_of_x(with_examples):
+    """`h.sum(-1)[:, :]` has one dim fewer than x: a 2-D x makes eager raise, where the fused op checked for 2 dims
+    and ran."""
+    model = GemmThen(sum_then_scale_a_whole_view).eval()
+    example = torch.randn(2, BATCH, IN)
+    optimized = assert_whole_chain_fused(model, (example,), example_inputs=None if with_examples else False)
+    for x in (rows(), torch.randn(IN)):
+        for candidate in (model, optimized):
+            with pytest.raises(IndexError, match="too many indices"):
+                candidate(x)
+    with torch.no_grad():
+        x = torch.randn(3, 2, BATCH, IN)
+        assert_close_report(optimized(x), model(x))
 
 
 def scale_gemm_input_through_a_whole_view(m, x, y):
