@@ -1,0 +1,793 @@
+"""Randomized differential tester for ``fxfuse.optimize()`` on the CPU: random small models, optimized vs eager.
+
+Each seed builds one model as Python source: a GEMM (nn.Linear, F.linear with parameters, torch.addmm,
+``x @ w.t()``, with or without bias) on an input of 1-4 dims, then a random chain of 1-6 epilogue ops from
+fxfuse's vocabulary (activations, arithmetic with numbers, parameters and forward arguments, norms, row reductions
+and softmax), each in a random spelling (module, F.*, torch.*, method, in-place, operator, keywords or positional
+arguments). The dtype (float32, float64, bfloat16), train or eval mode, and whether optimize() gets example inputs
+are random too. Then it checks:
+
+- optimize() itself does not raise, and leaves the model's own results as they were;
+- the optimized model gives eager's output, or eager's error (and no error where eager runs);
+- its gradients of the input, the forward arguments and the parameters are eager's (where eager's backward runs);
+- a second call with another batch size (sometimes another rank) gives eager's result or eager's error.
+
+A value outside the dtype's tolerance is judged against a float64 run of the same model: it counts as a failure
+only where the fused value is clearly further from float64 than eager's own value (else it is rounding noise,
+counted apart). fxfuse's own rank error on a second call of another rank is counted apart too (a documented limit
+in some cases: docs/BACKEND.md, "Dynamic shapes"); look at those by hand.
+
+Usage (from the repository root):
+
+    PYTHONPATH=. python dev/optimize_hunt.py --seeds 0:300          # summary of 300 models
+    PYTHONPATH=. python dev/optimize_hunt.py --seeds 17 --show      # one model: its source and what went wrong
+    PYTHONPATH=. python dev/optimize_hunt.py --seeds 0:300 --dump /tmp/hunt   # each failing model's source to a file
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import linecache
+import logging
+import os
+import random
+import signal
+import sys
+import time
+import traceback
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxfuse
+from fxfuse.testing import DEFAULT_TOLERANCE, fused_op_count
+
+DTYPES = (torch.float32, torch.float32, torch.float64, torch.bfloat16)  # float32 twice as likely
+MODEL_TIMEOUT_S = 60
+NOISE_FACTOR = 4.0  # a fused value this many times further from float64 than eager's is a failure
+
+
+# ------------------------------------------------------------------------------------------------ model drawing
+
+@dataclass
+class ModelSpec:
+    """One drawn model: its source lines and how to make its inputs."""
+    in_features: int
+    out_features: int
+    leading: tuple[int, ...]
+    dtype: torch.dtype
+    train: bool
+    with_examples: bool
+    autocast: bool = False        # eager and optimized calls both under CPU autocast to bfloat16
+    strided_input: bool = False   # x a transposed (non-contiguous) tensor
+    init_lines: list[str] = field(default_factory=list)
+    forward_lines: list[str] = field(default_factory=list)
+    # (name, kind, positive, dtype): kind "full" / "feat" / "row" / "scalar" (a 0-d tensor) / "number" (a float)
+    extra_args: list[tuple[str, str, bool, torch.dtype | None]] = field(default_factory=list)
+    returns: list[str] = field(default_factory=lambda: ["h"])
+    steps: list[str] = field(default_factory=list)  # one short name per drawn step, for the summary
+
+    def source(self) -> str:
+        """The model's Python source (class Model)."""
+        args = "".join(f", {arg[0]}" for arg in self.extra_args)
+        lines = ["class Model(nn.Module):", "    def __init__(self):", "        super().__init__()"]
+        lines += [f"        {line}" for line in self.init_lines]
+        lines += [f"    def forward(self, x{args}):"]
+        lines += [f"        {line}" for line in self.forward_lines]
+        lines += [f"        return {', '.join(self.returns)}", ""]
+        return "\n".join(lines)
+
+    def inputs(self, leading: tuple[int, ...], generator: torch.Generator) -> list:
+        """The forward's arguments for these leading dims."""
+        if self.strided_input:
+            x = torch.randn(self.in_features, *leading, generator=generator).movedim(0, -1)
+        else:
+            x = torch.randn(*leading, self.in_features, generator=generator)
+        values = [x.to(self.dtype)]
+        for _, kind, positive, dtype in self.extra_args:
+            if kind == "number":
+                values.append(round(float(torch.rand((), generator=generator)) + 0.5, 3))
+                continue
+            shape = {"full": (*leading, self.out_features), "feat": (self.out_features,), "row": (*leading, 1),
+                     "scalar": ()}[kind]
+            value = torch.randn(shape, generator=generator)
+            if positive:
+                value = torch.rand(shape, generator=generator) + 0.5
+            values.append(value.to(dtype or self.dtype))
+        return values
+
+
+@dataclass(frozen=True)
+class ModuleCall:
+    """A spelling that calls a submodule: added to the model only where it is picked."""
+    construction: str
+    stem: str = "act"
+
+
+class Drawer:
+    """Draws a model's steps, tracking what the chain's value is: features (last dim N), a keepdim-reduced row
+    (last dim 1) or a reduced one (one dim fewer)."""
+
+    def __init__(self, rng: random.Random, spec: ModelSpec):
+        self.rng = rng
+        self.spec = spec
+        self.state = "features"
+        self.counter = 0
+        self.reductions = 0
+        self.kept: list[str] = []  # names of kept values (keep())
+
+    def fresh(self, stem: str) -> str:
+        """A new attribute name."""
+        self.counter += 1
+        return f"{stem}{self.counter}"
+
+    def number(self, low=-2.0, high=2.0) -> float:
+        return round(self.rng.uniform(low, high), 3)
+
+    def module(self, construction: str, stem="act") -> str:
+        """Add a submodule; return the forward line that calls it."""
+        name = self.fresh(stem)
+        self.spec.init_lines.append(f"self.{name} = {construction}")
+        return f"h = self.{name}(h)"
+
+    def param(self, shape: str, positive=False) -> str:
+        """Add a parameter of `shape` (a Python tuple's text); return its expression."""
+        name = self.fresh("p")
+        values = f"torch.rand({shape}) + 0.5" if positive else f"torch.randn({shape})"
+        kind = self.rng.random()
+        if kind < 0.15:
+            self.spec.init_lines.append(f"self.register_buffer('{name}', {values})")
+        elif kind < 0.25:
+            self.spec.init_lines.append(f"self.{name} = nn.Parameter({values}, requires_grad=False)")
+        else:
+            self.spec.init_lines.append(f"self.{name} = nn.Parameter({values})")
+        return f"self.{name}"
+
+    def argument(self, kind: str, positive=False) -> str:
+        """Add a forward argument (sometimes of another floating dtype than the model's); return its name."""
+        name = f"y{len(self.spec.extra_args)}"
+        dtype = self.pick(torch.float32, torch.bfloat16, torch.float64) if self.rng.random() < 0.15 else None
+        self.spec.extra_args.append((name, kind, positive, dtype))
+        return name
+
+    def pick(self, *choices):
+        """One of `choices`; a ModuleCall picked becomes a submodule and the line that calls it."""
+        choice = self.rng.choice(choices)
+        return self.module(choice.construction, choice.stem) if isinstance(choice, ModuleCall) else choice
+
+    # ---------------------------------------------------------------------------------------------- the GEMM
+
+    def prologue(self) -> None:
+        """Sometimes an op on x before the GEMM (one that keeps its rank, changes it, or changes x in place)."""
+        if self.rng.random() > 0.3:
+            return
+        k = self.spec.in_features
+        line = self.pick("x = x * 0.5", "x = x.relu()", "x = F.gelu(x) + 1", "x = x.unsqueeze(0)", "x = x.squeeze(0)",
+                         "x = x.squeeze()", "x = x.flatten(0, 1)", f"x = x.reshape(-1, {k})",
+                         "x = x.view(-1, x.size(-1))",
+                         "x = x.contiguous()", "x = x.mean(0)", "x = x.sum(0, keepdim=True)", "x = x[0]",
+                         "x.mul_(2)", "x = x.transpose(0, 1)", "x = x.unsqueeze(1).squeeze(0)", "x = x[None]")
+        self.spec.forward_lines.append(line)
+        self.spec.steps.append(f"prologue({line})")
+
+    def gemm(self) -> None:
+        k, n = self.spec.in_features, self.spec.out_features
+        bias = self.rng.random() < 0.7
+        kind = self.pick("linear", "linear", "F.linear", "addmm", "matmul_t", "matmul_kn")
+        if kind == "linear":
+            self.spec.init_lines.append(f"self.fc = nn.Linear({k}, {n}, bias={bias})")
+            self.spec.forward_lines.append("h = self.fc(x)")
+        elif kind == "F.linear":
+            self.spec.init_lines.append(f"self.w = nn.Parameter(torch.randn({n}, {k}) / {k ** 0.5:.4f})")
+            if bias:
+                self.spec.init_lines.append(f"self.b = nn.Parameter(torch.randn({n}) * 0.1)")
+            self.spec.forward_lines.append(self.pick(
+                f"h = F.linear(x, self.w{', self.b' if bias else ''})",
+                f"h = F.linear(x, weight=self.w{', bias=self.b' if bias else ''})"))
+        elif kind == "addmm":
+            self.spec.init_lines.append(f"self.w = nn.Parameter(torch.randn({n}, {k}) / {k ** 0.5:.4f})")
+            self.spec.init_lines.append(f"self.b = nn.Parameter(torch.randn({n}) * 0.1)")
+            self.spec.forward_lines.append(self.pick("h = torch.addmm(self.b, x, self.w.t())",
+                                                     "h = torch.addmm(self.b, x, self.w.T)"))
+        else:
+            shape = f"{n}, {k}" if kind == "matmul_t" else f"{k}, {n}"
+            weight = "self.w.t()" if kind == "matmul_t" else "self.w"
+            self.spec.init_lines.append(f"self.w = nn.Parameter(torch.randn({shape}) / {k ** 0.5:.4f})")
+            product = self.pick(f"x @ {weight}", f"torch.matmul(x, {weight})")
+            if bias:
+                self.spec.init_lines.append(f"self.b = nn.Parameter(torch.randn({n}) * 0.1)")
+                product += " + self.b"
+            self.spec.forward_lines.append(f"h = {product}")
+        self.spec.steps.append(kind + ("+b" if bias else ""))
+
+    # ------------------------------------------------------------------------------------------ pointwise ops
+
+    def activation(self) -> tuple[str, str]:
+        """(step name, forward line) of a unary activation in a random spelling."""
+        r = self.rng
+        name = self.pick("relu", "hardtanh", "relu6", "leaky_relu", "gelu", "silu", "mish", "sigmoid", "tanh", "elu",
+                         "softplus", "clamp", "selu", "celu", "hardswish", "hardsigmoid", "logsigmoid", "softsign",
+                         "tanhshrink", "abs", "neg", "square", "sin", "erf", "atan", "prelu")
+        if name == "relu":
+            return name, self.pick(ModuleCall("nn.ReLU()"), ModuleCall("nn.ReLU(inplace=True)"), "h = F.relu(h)",
+                                   "h = torch.relu(h)", "h = h.relu()", "h.relu_()", "h = F.relu(h, inplace=True)",
+                                   "torch.relu_(h)", "h = F.relu_(h)")
+        if name == "hardtanh":
+            low, high = self.number(-2, 0), self.number(0.05, 2)
+            return name, self.pick(ModuleCall(f"nn.Hardtanh({low}, {high})"), f"h = F.hardtanh(h, {low}, {high})",
+                                   f"h = F.hardtanh(h, min_val={low}, max_val={high})",
+                                   f"h = F.hardtanh_(h, {low}, {high})", f"h = F.hardtanh(h, {low}, {high}, True)")
+        if name == "relu6":
+            return name, self.pick(ModuleCall("nn.ReLU6()"), "h = F.relu6(h)", "h = F.relu6(h, inplace=True)")
+        if name == "leaky_relu":
+            slope = self.number(0.0, 0.4) if r.random() < 0.8 else self.number(-0.3, 1.5)
+            return name, self.pick(ModuleCall(f"nn.LeakyReLU({slope})"), f"h = F.leaky_relu(h, {slope})",
+                                   f"h = F.leaky_relu(h, negative_slope={slope})", f"h = F.leaky_relu_(h, {slope})",
+                                   f"h = F.leaky_relu(h, {slope}, inplace=True)", "h = F.leaky_relu(h)")
+        if name == "gelu":
+            approximate = self.pick("none", "tanh")
+            return name, self.pick(ModuleCall(f"nn.GELU(approximate='{approximate}')"),
+                                   f"h = F.gelu(h, approximate='{approximate}')", "h = F.gelu(h)", "h = nn.GELU()(h)")
+        if name == "silu":
+            return name, self.pick(ModuleCall("nn.SiLU()"), "h = F.silu(h)", "h = F.silu(h, inplace=True)",
+                                   "h = h * torch.sigmoid(h)", "h = h * h.sigmoid()")
+        if name == "mish":
+            return name, self.pick(ModuleCall("nn.Mish()"), "h = F.mish(h)", "h = F.mish(h, inplace=True)",
+                                   "h = h * torch.tanh(F.softplus(h))")
+        if name in ("sigmoid", "tanh"):
+            return name, self.pick(ModuleCall(f"nn.{name.capitalize()}()"), f"h = torch.{name}(h)",
+                                   f"h = h.{name}()", f"h.{name}_()", f"h = torch.{name}_(h)", f"h = F.{name}(h)")
+        if name == "elu":
+            alpha = self.number(0.1, 2)
+            return name, self.pick(ModuleCall(f"nn.ELU({alpha})"), f"h = F.elu(h, {alpha})",
+                                   f"h = F.elu(h, alpha={alpha}, inplace=True)", "h = F.elu(h)",
+                                   f"h = F.elu_(h, {alpha})")
+        if name == "softplus":
+            beta, threshold = self.number(0.2, 3), self.number(0.5, 20)
+            return name, self.pick(ModuleCall(f"nn.Softplus({beta}, {threshold})"),
+                                   f"h = F.softplus(h, {beta}, {threshold})", f"h = F.softplus(h, beta={beta})",
+                                   "h = F.softplus(h)", f"h = F.softplus(h, threshold={threshold})")
+        if name == "clamp":
+            low, high = self.number(-2, 0), self.number(0, 2)
+            return name, self.pick(f"h = torch.clamp(h, {low}, {high})", f"h = h.clamp(min={low})",
+                                   f"h.clamp_({low}, {high})", f"h = torch.clamp_min(h, {low})",
+                                   f"h = h.clamp_min_({low})", f"h = h.clip({low}, {high})",
+                                   f"h = h.clamp(max={high})", f"h = torch.clamp(h, min={low}, max={high})",
+                                   f"h = torch.clamp_max(h, {high})")
+        if name == "selu":
+            return name, self.pick(ModuleCall("nn.SELU()"), "h = F.selu(h)", "h = torch.selu(h)",
+                                   "h = F.selu(h, inplace=True)")
+        if name == "celu":
+            alpha = self.number(0.2, 2)
+            return name, self.pick(ModuleCall(f"nn.CELU({alpha})"), f"h = F.celu(h, {alpha})",
+                                   f"h = torch.celu(h, alpha={alpha})")
+        if name in ("hardswish", "hardsigmoid"):
+            module = {"hardswish": "Hardswish", "hardsigmoid": "Hardsigmoid"}[name]
+            return name, self.pick(ModuleCall(f"nn.{module}()"), f"h = F.{name}(h)",
+                                   f"h = F.{name}(h, inplace=True)")
+        if name == "logsigmoid":
+            return name, self.pick(ModuleCall("nn.LogSigmoid()"), "h = F.logsigmoid(h)")
+        if name in ("softsign", "tanhshrink"):
+            module = {"softsign": "Softsign", "tanhshrink": "Tanhshrink"}[name]
+            return name, self.pick(ModuleCall(f"nn.{module}()"), f"h = F.{name}(h)")
+        if name == "abs":
+            return name, self.pick("h = h.abs()", "h = torch.abs(h)", "h.abs_()", "h = abs(h)")
+        if name == "neg":
+            return name, self.pick("h = -h", "h = h.neg()", "h = torch.neg(h)", "h.neg_()")
+        if name == "square":
+            return name, self.pick("h = h ** 2", "h = h.pow(2)", "h = torch.square(h)", "h = h * h",
+                                   "h = torch.pow(h, 2.0)")
+        if name in ("sin", "erf", "atan"):
+            return name, self.pick(f"h = torch.{name}(h)", f"h = h.{name}()", f"h.{name}_()")
+        # prelu: one slope or one per feature (only where the chain's value still has its features)
+        channels = self.spec.out_features if self.state == "features" and r.random() < 0.5 else 1
+        return name, self.module(f"nn.PReLU({channels}, init={self.number(0, 0.5)})")
+
+    def with_number(self) -> tuple[str, str]:
+        """(step name, line) of arithmetic with a Python number."""
+        c = self.number(-2, 2) or 0.5
+        p = self.number(0.5, 2)
+        op = self.pick("add", "sub", "mul", "div", "rsub")
+        lines = {
+            "add": (f"h = h + {c}", f"h = {c} + h", f"h = torch.add(h, {c})", f"h = h.add({c})", f"h.add_({c})",
+                    f"h += {c}", f"h = torch.add(h, other={c}, alpha=2)"),
+            "sub": (f"h = h - {c}", f"h = torch.sub(h, {c})", f"h.sub_({c})", f"h -= {c}", f"h = h.subtract({c})"),
+            "rsub": (f"h = {c} - h", f"h = torch.rsub(h, {c})"),
+            "mul": (f"h = h * {c}", f"h = {c} * h", f"h = torch.mul(h, {c})", f"h.mul_({c})", f"h *= {c}",
+                    f"h = h.multiply({c})"),
+            "div": (f"h = h / {p}", f"h = torch.div(h, {p})", f"h.div_({p})", f"h /= {p}", f"h = h.true_divide({p})"),
+        }[op]
+        if self.rng.random() < 0.1:  # a number the caller passes
+            y = self.argument("number")
+            return f"{op}(number argument)", self.pick(f"h = h * {y}", f"h = {y} * h", f"h = h + {y}", f"h = h / {y}",
+                                                       f"h.mul_({y})", f"h = torch.sub(h, {y})")
+        if self.rng.random() < 0.1:  # a number read from the features, or an int
+            return f"{op}(size or int)", self.pick("h = h * h.size(-1) ** -0.5", "h = h / h.shape[-1]",
+                                                   "h = h * 2", "h = h / 3", "h = 1 - h", "h += 1")
+        if self.rng.random() < 0.08:  # in place on a whole view
+            return f"{op}(view in place)", self.pick(f"h[:, :].mul_({c})", f"h[...].add_({c})", f"h[:].sub_({c})")
+        return f"{op}(number)", self.pick(*lines)
+
+    def with_tensor(self) -> tuple[str, str]:
+        """(step name, line) of arithmetic with a tensor: a parameter or a forward argument."""
+        op = self.pick("add", "add", "sub", "mul", "mul", "div", "maximum", "minimum")
+        positive = op == "div"
+        source = self.pick("param_n", "param_1n", "param_0d", "arg_full", "arg_feat", "arg_row", "arg_scalar")
+        if source.startswith("param"):
+            shape = {"param_n": f"({self.spec.out_features},)", "param_1n": f"(1, {self.spec.out_features})",
+                     "param_0d": "()"}[source]
+            t = self.param(shape, positive=positive)
+        else:
+            t = self.argument(source[4:], positive=positive)
+        lines = {
+            "add": (f"h = h + {t}", f"h = {t} + h", f"h = torch.add(h, {t})", f"h.add_({t})", f"h += {t}",
+                    f"h = torch.add(h, {t}, alpha=0.5)", f"h = h.add({t}, alpha=-1.5)", f"h.add_({t}, alpha=2)"),
+            "sub": (f"h = h - {t}", f"h = {t} - h", f"h = torch.sub(h, {t})", f"h.sub_({t})", f"h -= {t}",
+                    f"h = torch.sub(h, {t}, alpha=2)"),
+            "mul": (f"h = h * {t}", f"h = {t} * h", f"h = torch.mul(h, {t})", f"h.mul_({t})", f"h *= {t}",
+                    f"h = h.addcmul({t}, {t}, value=0.5)"),
+            "div": (f"h = h / {t}", f"h = torch.div(h, {t})", f"h.div_({t})", f"h /= {t}"),
+            "maximum": (f"h = torch.maximum(h, {t})", f"h = torch.max(h, {t})", f"h = h.maximum({t})"),
+            "minimum": (f"h = torch.minimum(h, {t})", f"h = torch.min({t}, h)", f"h = h.minimum({t})"),
+        }[op]
+        return f"{op}({source})", self.pick(*lines)
+
+    # ---------------------------------------------------------------------------------------------- norms
+
+    def norm(self) -> tuple[str, str]:
+        """(step name, line) of a norm over the features."""
+        n = self.spec.out_features
+        eps = self.pick(1e-5, 1e-6, 0.001, 0.1)
+        name = self.pick("group_norm", "layer_norm", "rms_norm")
+        if name == "group_norm":
+            groups = self.pick(*[g for g in range(1, n + 1) if n % g == 0])
+            affine = self.rng.random() < 0.6
+            if self.rng.random() < 0.5:
+                return name, self.module(f"nn.GroupNorm({groups}, {n}, eps={eps}, affine={affine})", "norm")
+            if affine:
+                w, b = self.param(f"({n},)"), self.param(f"({n},)")
+                return name, self.pick(f"h = F.group_norm(h, {groups}, {w}, {b}, {eps})",
+                                       f"h = F.group_norm(h, num_groups={groups}, weight={w}, bias={b}, eps={eps})")
+            return name, f"h = F.group_norm(h, {groups})"
+        if name == "layer_norm":
+            affine = self.rng.random() < 0.6
+            if self.rng.random() < 0.5:
+                bias = self.pick(True, False)
+                return name, self.module(f"nn.LayerNorm({n}, eps={eps}, elementwise_affine={affine}, bias={bias})",
+                                         "norm")
+            w, b = (self.param(f"({n},)"), self.param(f"({n},)")) if affine else ("None", "None")
+            shape = self.pick(f"({n},)", f"[{n}]", "h.shape[-1:]", "(h.size(-1),)")
+            return name, self.pick(f"h = F.layer_norm(h, {shape}, {w}, {b}, {eps})",
+                                   f"h = F.layer_norm(h, {shape}, weight={w}, bias={b}, eps={eps})",
+                                   f"h = F.layer_norm(h, {shape})")
+        if self.rng.random() < 0.4:
+            affine = self.pick(True, False)
+            return name, self.module(f"nn.RMSNorm({n}, eps={eps}, elementwise_affine={affine})", "norm")
+        w = self.param(f"({n},)") if self.rng.random() < 0.6 else "None"
+        return name, self.pick(f"h = F.rms_norm(h, ({n},), {w}, {eps})", f"h = F.rms_norm(h, h.shape[-1:], {w})",
+                               f"h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + {eps})")
+
+    # ---------------------------------------------------------------------------------------- row reductions
+
+    def reduction(self) -> tuple[str, str]:
+        """(step name, line) of a row reduction, softmax or log_softmax."""
+        dim = self.pick(-1, -1, 1)
+        keepdim = self.pick(True, False)
+        name = self.pick("sum", "mean", "amax", "amin", "max", "min", "logsumexp", "softmax", "log_softmax",
+                         "var", "std", "norm")
+        if name in ("softmax", "log_softmax"):
+            module = {"softmax": "Softmax", "log_softmax": "LogSoftmax"}[name]
+            return f"{name}({dim})", self.pick(ModuleCall(f"nn.{module}(dim={dim})"), f"h = F.{name}(h, dim={dim})",
+                                               f"h = torch.{name}(h, {dim})", f"h = h.{name}({dim})",
+                                               f"h = F.{name}(h, {dim})")
+        self.state = "row" if keepdim else "reduced"
+        what = f"{name}({dim},{'keep' if keepdim else 'drop'})"
+        if name in ("sum", "mean", "amax", "amin", "logsumexp"):
+            return what, self.pick(f"h = torch.{name}(h, {dim}, keepdim={keepdim})",
+                                   f"h = h.{name}(dim={dim}, keepdim={keepdim})",
+                                   f"h = torch.{name}(h, dim={dim}, keepdim={keepdim})",
+                                   f"h = h.{name}({dim}, {keepdim})")
+        if name in ("max", "min"):
+            return what, self.pick(f"h = torch.{name}(h, {dim}, keepdim={keepdim})[0]",
+                                   f"h = h.{name}(dim={dim}, keepdim={keepdim}).values",
+                                   f"h, _ = torch.{name}(h, {dim}, {keepdim})")
+        if name in ("var", "std"):
+            return what, self.pick(f"h = torch.{name}(h, {dim}, keepdim={keepdim})",
+                                   f"h = h.{name}(dim={dim}, unbiased=False, keepdim={keepdim})",
+                                   f"h = torch.{name}(h, dim={dim}, correction=0, keepdim={keepdim})")
+        return what, self.pick(f"h = torch.linalg.vector_norm(h, dim={dim}, keepdim={keepdim})",
+                               f"h = h.norm(dim={dim}, keepdim={keepdim})",
+                               f"h = torch.norm(h, 2, {dim}, {keepdim})")
+
+    # ------------------------------------------------------------------------------ residuals, no-ops, GEMMs
+
+    def keep(self) -> tuple[str, str]:
+        """(step name, line) keeping the chain's value under a name (an alias, or a copy), for a later residual."""
+        name = self.fresh("k")
+        self.kept.append(name)
+        return f"keep {name}", self.pick(f"{name} = h", f"{name} = h.clone()")
+
+    def residual(self) -> tuple[str, str]:
+        """(step name, line) combining the value with a kept one, itself or the GEMM's input."""
+        other = self.pick(*self.kept, "h", "x")
+        lines = (f"h = h + {other}", f"h = {other} - h", f"h = h * {other}", f"h.add_({other})",
+                 f"h = torch.maximum(h, {other})", f"h += {other}", f"h = h + {other}.detach()")
+        return f"residual({other})", self.pick(*lines)
+
+    def no_op(self) -> tuple[str, str]:
+        """(step name, line) of an op that returns its input's values."""
+        return "no-op", self.pick("h = h.clone()", "h = h.contiguous()", "h = F.dropout(h, 0.3, training=False)",
+                                  "h = F.dropout(h, 0.0)", ModuleCall("nn.Identity()"), ModuleCall("nn.Dropout(0.0)"),
+                                  "h = +h", "h = torch.positive(h)")
+
+    def second_gemm(self) -> tuple[str, str]:
+        """(step name, line) of another Linear of N to N features (a chain that a GEMM ends and starts)."""
+        n = self.spec.out_features
+        return "linear", ModuleCall(f"nn.Linear({n}, {n}, bias={self.pick(True, False)})", "fc")
+
+    # ---------------------------------------------------------------------------------------------- a chain
+
+    def chain(self) -> None:
+        """1-6 epilogue steps after the GEMM."""
+        for _ in range(self.rng.randint(1, 6)):
+            kinds = ["activation", "activation", "number", "tensor", "keep", "no-op"]
+            if self.kept or self.rng.random() < 0.2:
+                kinds += ["residual"]
+            if self.state == "features":
+                kinds += ["norm", "norm"] + (["second gemm"] if self.rng.random() < 0.3 else [])
+            if self.reductions < 2:
+                kinds += ["reduction"]
+            kind = self.pick(*kinds)
+            if kind == "reduction":
+                self.reductions += 1
+            step, line = {"activation": self.activation, "number": self.with_number, "tensor": self.with_tensor,
+                          "norm": self.norm, "reduction": self.reduction, "keep": self.keep,
+                          "residual": self.residual, "no-op": self.no_op, "second gemm": self.second_gemm}[kind]()
+            if isinstance(line, ModuleCall):
+                line = self.module(line.construction, line.stem)
+            self.spec.steps.append(step)
+            self.spec.forward_lines.append(line)
+
+
+def draw_model(seed: int) -> ModelSpec:
+    """The model of `seed`."""
+    rng = random.Random(seed)
+    leading = rng.choice([(), (1,), (2,), (3,), (5,), (1, 3), (2, 3), (3, 1), (2, 1, 3)])
+    out_features = rng.choice([1, 2, 3, 5, 6, 8, 12, 15, 16, 24, 33, 48])
+    spec = ModelSpec(in_features=rng.randint(1, 48), out_features=out_features,
+                     leading=leading, dtype=rng.choice(DTYPES), train=rng.random() < 0.5,
+                     with_examples=rng.random() < 0.5)
+    if rng.random() < 0.2:  # a square GEMM, so that its input can be a residual
+        spec.in_features = spec.out_features
+    spec.autocast = spec.dtype == torch.float32 and rng.random() < 0.15
+    spec.strided_input = rng.random() < 0.15
+    drawer = Drawer(rng, spec)
+    drawer.prologue()
+    drawer.gemm()
+    drawer.chain()
+    if drawer.kept and rng.random() < 0.3:  # an intermediate value returned too
+        spec.returns.append(rng.choice(drawer.kept))
+    return spec
+
+
+def second_leading(seed: int, leading: tuple[int, ...]) -> tuple[int, ...]:
+    """Leading dims of the second call: another batch size, sometimes another rank."""
+    rng = random.Random(seed + 1_000_003)
+    batch = rng.choice([b for b in (1, 2, 4, 7) if (leading[:1] or (None,))[0] != b])
+    if rng.random() < 0.25:
+        return rng.choice([(), (batch,), (batch, 2), (2, batch, 3)])
+    return (batch, *leading[1:]) if leading else ()
+
+
+def build(spec: ModelSpec, seed: int) -> nn.Module:
+    """Instantiate the model's source (registered with linecache, so that inspect finds it)."""
+    filename = f"<optimize_hunt seed {seed}>"
+    source = spec.source()
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    namespace = {"torch": torch, "nn": nn, "F": F, "__name__": f"optimize_hunt_{seed}"}
+    exec(compile(source, filename, "exec"), namespace)
+    torch.manual_seed(seed)
+    model = namespace["Model"]().to(spec.dtype)
+    return model.train(spec.train)
+
+
+# ------------------------------------------------------------------------------------------------ checking
+
+class Failure(Exception):
+    """A finding: `kind` is "bug", "noise" (rounding only) or "rank-limit" (fxfuse's own rank error)."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+def _run(fn):
+    """(result, None) or (None, exception)."""
+    try:
+        return fn(), None
+    except Exception as error:  # noqa: BLE001 - comparing eager's errors with the optimized model's
+        return None, error
+
+
+def _excess(actual: torch.Tensor, expected: torch.Tensor, dtype) -> float:
+    """How far `actual` is outside `expected`'s tolerance (<= 0: within it; inf for a NaN of one only)."""
+    rtol, atol = DEFAULT_TOLERANCE.get(dtype, (1e-5, 1e-5))
+    a, e = actual.detach().double(), expected.detach().double()
+    both_nan = a.isnan() & e.isnan()
+    same_inf = (a == e) & a.isinf()
+    error = ((a - e).abs() - atol - rtol * e.abs()).nan_to_num(nan=float("inf"))
+    error = error.masked_fill(both_nan | same_inf, -1.0)
+    return float(error.max()) if error.numel() else -1.0
+
+
+def _distance(actual: torch.Tensor, reference: torch.Tensor) -> float:
+    """Largest absolute difference, relative to the reference's scale."""
+    a, r = actual.detach().double(), reference.detach().double()
+    finite = r.isfinite() & a.isfinite()
+    if not finite.any():
+        return 0.0
+    scale = max(float(r[finite].abs().max()), 1e-3)
+    return float((a - r)[finite].abs().max()) / scale
+
+
+def _compare(what: str, fused: torch.Tensor, eager: torch.Tensor, reference, dtype) -> None:
+    """Raise Failure where `fused` is not eager's value; `reference()` gives the float64 value to judge noise by."""
+    if not isinstance(fused, torch.Tensor) or fused.shape != eager.shape or fused.dtype != eager.dtype:
+        raise Failure("bug", f"{what}: fused {_describe(fused)} vs eager {_describe(eager)}")
+    if _excess(fused, eager, dtype) <= 0:
+        return
+    ref = reference()
+    fused_distance, eager_distance = _distance(fused, ref), _distance(eager, ref)
+    kind = "bug" if fused_distance > NOISE_FACTOR * eager_distance + 1e-6 and _excess(fused, ref, dtype) > 0 \
+        else "noise"
+    raise Failure(kind, f"{what} differs: fused {fused_distance:.2e} vs eager {eager_distance:.2e} from float64")
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{tuple(value.shape)} {value.dtype}"
+    return type(value).__name__
+
+
+def _outputs(result) -> tuple:
+    return tuple(result) if isinstance(result, (tuple, list)) else (result,)
+
+
+def _as_double(values: list) -> list:
+    return [v.double() if isinstance(v, torch.Tensor) else v for v in values]
+
+
+def _gradients(model, inputs, params, context):
+    """Gradients of sum(out * cotangent) over the outputs, for the tensor inputs and `params`, computed under
+    `context`; (None, error) where it raises."""
+    def compute():
+        leaves = [t.detach().clone().requires_grad_(True) if isinstance(t, torch.Tensor) else t for t in inputs]
+        with context():
+            outputs = _outputs(model(*leaves))
+        generator = torch.Generator().manual_seed(1234)
+        loss = sum((out * torch.randn(out.shape, generator=generator, dtype=torch.float64).to(out.dtype)).sum()
+                   for out in outputs)
+        wanted = [t for t in leaves if isinstance(t, torch.Tensor)] + list(params)
+        return torch.autograd.grad(loss, wanted, allow_unused=True)
+    return _run(compute)
+
+
+def _compare_outputs(what: str, fused, eager, reference, dtype) -> None:
+    """_compare for each output of a model."""
+    fused, eager = _outputs(fused), _outputs(eager)
+    if len(fused) != len(eager):
+        raise Failure("bug", f"{what}: {len(fused)} outputs, eager's {len(eager)}")
+    cached = []
+
+    def reference_of(i):
+        if not cached:
+            cached.extend(_outputs(reference()))
+        return cached[i]
+    for i, (f, e) in enumerate(zip(fused, eager)):
+        _compare(f"{what} {i}" if len(eager) > 1 else what, f, e, lambda i=i: reference_of(i), dtype)
+
+
+def check(seed: int) -> tuple[ModelSpec, int, bool]:
+    """Check the model of `seed`; return (spec, fused op count, whether eager raised at the first call) or raise
+    Failure."""
+    spec = draw_model(seed)
+    model = build(spec, seed)
+    generator = torch.Generator().manual_seed(seed)
+    inputs = spec.inputs(spec.leading, generator)
+    tolerance_dtype = torch.bfloat16 if spec.autocast else spec.dtype
+    grad_mode = torch.enable_grad if spec.train else torch.no_grad
+
+    def context():
+        """The calls' autocast (or none)."""
+        return torch.autocast("cpu", dtype=torch.bfloat16) if spec.autocast else contextlib.nullcontext()
+
+    def call(module, args, grad=None):
+        """module(*args) on copies of the tensors (a forward may change an argument in place)."""
+        args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        with (grad or grad_mode)(), context():
+            return module(*args)
+
+    def reference_of(args):
+        """The model's float64 outputs for `args`, without autocast."""
+        double = copy.deepcopy(model).double()
+        with torch.no_grad():
+            return double(*_as_double([a.clone() if isinstance(a, torch.Tensor) else a for a in args]))
+
+    eager, eager_error = _run(lambda: call(model, inputs))
+    kept_inputs = [a.clone() if isinstance(a, torch.Tensor) else a for a in inputs]
+    with context():
+        optimized, error = _run(lambda: fxfuse.optimize(model, inputs if spec.with_examples else None))
+    if error is not None:
+        raise Failure("bug", f"optimize() raised {type(error).__name__}: {error}")
+    if not all(torch.equal(a, b) for a, b in zip(inputs, kept_inputs) if isinstance(a, torch.Tensor)):
+        raise Failure("bug", "optimize() changed its example inputs")
+    count = fused_op_count(optimized)
+    fused, fused_error = _run(lambda: call(optimized, inputs))
+    again, _ = _run(lambda: call(model, inputs))
+    if eager_error is not None:
+        if fused_error is None:
+            raise Failure("bug", f"eager raises {type(eager_error).__name__}: {eager_error}; the optimized model runs")
+        return spec, count, True
+    if fused_error is not None:
+        raise Failure("rank-limit" if "fxfuse: this part of the model was optimized" in str(fused_error) else "bug",
+                      f"optimized model raises {type(fused_error).__name__}: {fused_error}")
+    if again is None or not all(torch.equal(a.nan_to_num(), e.nan_to_num())
+                                for a, e in zip(_outputs(again), _outputs(eager))):
+        raise Failure("bug", "optimize() changed the model's own results")
+    _compare_outputs("output", fused, eager, lambda: reference_of(inputs), tolerance_dtype)
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    eager_grads, eager_grad_error = _gradients(model, inputs, params, context)
+    fused_grads, fused_grad_error = _gradients(optimized, inputs, params, context)
+    if eager_grad_error is None:
+        if fused_grad_error is not None:
+            raise Failure("bug", f"backward raises {type(fused_grad_error).__name__}: {fused_grad_error}")
+        names = [f"input {i}" for i, t in enumerate(inputs) if isinstance(t, torch.Tensor)]
+        names += [name for name, p in model.named_parameters() if p.requires_grad]
+
+        def reference_gradients():
+            double = copy.deepcopy(model).double()
+            grads, _ = _gradients(double, _as_double(inputs), [p for p in double.parameters() if p.requires_grad],
+                                  contextlib.nullcontext)
+            return grads
+        reference_grads = []
+        for i, (name, f, e) in enumerate(zip(names, fused_grads, eager_grads)):
+            if (f is None) != (e is None):
+                raise Failure("bug", f"gradient of {name}: {'missing' if f is None else 'unexpected'}")
+            if f is not None:
+                def reference(i=i):
+                    if not reference_grads:
+                        reference_grads.extend(reference_gradients())
+                    return reference_grads[i]
+                _compare(f"gradient of {name}", f, e, reference, tolerance_dtype)
+    elif "inplace operation" not in str(eager_grad_error) and fused_grad_error is None:
+        raise Failure("bug", f"eager's backward raises {type(eager_grad_error).__name__}: {eager_grad_error}; "
+                             "the optimized model's runs")
+
+    leading = second_leading(seed, spec.leading)
+    second = spec.inputs(leading, generator)
+    eager2, eager2_error = _run(lambda: call(model, second, torch.no_grad))
+    fused2, fused2_error = _run(lambda: call(optimized, second, torch.no_grad))
+    where = f"second call with leading dims {leading}"
+    if eager2_error is not None and fused2_error is None:
+        raise Failure("bug", f"{where}: eager raises {type(eager2_error).__name__}: {eager2_error}; "
+                             "the optimized model runs")
+    if eager2_error is None and fused2_error is not None:
+        kind = "rank-limit" if "fxfuse: this part of the model was optimized" in str(fused2_error) else "bug"
+        raise Failure(kind, f"{where}: optimized model raises {type(fused2_error).__name__}: {fused2_error}")
+    if eager2_error is None:
+        _compare_outputs(where, fused2, eager2, lambda: reference_of(second), tolerance_dtype)
+    return spec, count, False
+
+
+def describe_mode(spec: ModelSpec) -> str:
+    """dtype, mode, example inputs or not, x's leading dims, autocast and strides, in a few words."""
+    words = [str(spec.dtype).removeprefix("torch."), "train" if spec.train else "eval",
+             "examples" if spec.with_examples else "no-examples", f"x{spec.leading}"]
+    words += ["autocast"] if spec.autocast else []
+    words += ["strided x"] if spec.strided_input else []
+    return " ".join(words)
+
+
+def reproducer(seed: int, spec: ModelSpec) -> str:
+    """A stand-alone script that builds the model of `seed` and runs it eager and optimized."""
+    leading = second_leading(seed, spec.leading)
+    return f"""# optimize_hunt seed {seed}: {describe_mode(spec)}; second call's leading dims {leading}
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxfuse
+
+
+{spec.source()}
+
+import sys; sys.path.insert(0, "dev")
+from optimize_hunt import draw_model
+spec = draw_model({seed})
+torch.manual_seed({seed})
+model = Model().to({spec.dtype}).train({spec.train})
+generator = torch.Generator().manual_seed({seed})
+inputs = spec.inputs({spec.leading}, generator)
+optimized = fxfuse.optimize(model, {"inputs" if spec.with_examples else "None"})
+print(fxfuse.explain(model, {"inputs" if spec.with_examples else "None"}))
+print(model(*inputs))
+print(optimized(*inputs))
+"""
+
+
+class Timeout(Exception):
+    pass
+
+
+def _alarm(signum, frame):
+    raise Timeout()
+
+
+def parse_seeds(text: str) -> list[int]:
+    """"0:300" or "5" or "3,17,40"."""
+    seeds = []
+    for part in text.split(","):
+        if ":" in part:
+            start, stop = part.split(":")
+            seeds += range(int(start), int(stop))
+        else:
+            seeds.append(int(part))
+    return seeds
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", default="0:300", help="a range start:stop, or seeds separated by commas")
+    parser.add_argument("--show", action="store_true", help="print each failing model's source and traceback")
+    parser.add_argument("--dump", help="a folder to write each failing model's source to")
+    parser.add_argument("--noise", action="store_true", help="list rounding-noise findings too")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGALRM, _alarm)
+    warnings.filterwarnings("ignore")  # eager's own warnings (std of one value...), once per model
+    logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)  # eager's errors, met again
+    torch.set_num_threads(1)
+    findings = {"bug": [], "noise": [], "rank-limit": []}
+    fused = models = eager_raised = 0
+    started = time.time()
+    for seed in parse_seeds(args.seeds):
+        models += 1
+        signal.alarm(MODEL_TIMEOUT_S)
+        try:
+            spec, count, raised = check(seed)
+            fused += count > 0
+            eager_raised += raised
+        except Failure as failure:
+            spec = draw_model(seed)
+            findings[failure.kind].append((seed, spec, str(failure).splitlines()[0][:300]))
+            if args.show and (failure.kind != "noise" or args.noise):
+                print(f"--- seed {seed} ({failure.kind}): {failure}\n{spec.source()}")
+                traceback.print_exc()
+        except Timeout:
+            findings["bug"].append((seed, draw_model(seed), f"took more than {MODEL_TIMEOUT_S} s"))
+        except Exception as error:  # noqa: BLE001 - a crash of the hunter itself
+            findings["bug"].append((seed, draw_model(seed), f"hunter crashed: {type(error).__name__}: {error}"))
+            if args.show:
+                traceback.print_exc()
+        finally:
+            signal.alarm(0)
+        if args.dump and any(s == seed for kind in ("bug", "rank-limit") for s, _, _ in findings[kind]):
+            os.makedirs(args.dump, exist_ok=True)
+            with open(os.path.join(args.dump, f"seed_{seed}.py"), "w") as file:
+                file.write(reproducer(seed, draw_model(seed)))
+    print(f"{models} models ({eager_raised} where eager raises), {fused} fused, {len(findings['bug'])} failures, "
+          f"{len(findings['rank-limit'])} "
+          f"fxfuse rank errors, {len(findings['noise'])} rounding-noise differences ({time.time() - started:.0f} s)")
+    shown = ("bug", "rank-limit", "noise") if args.noise else ("bug", "rank-limit")
+    for kind in shown:
+        for seed, spec, message in findings[kind]:
+            print(f"  [{kind}] seed {seed} ({describe_mode(spec)}; {' > '.join(spec.steps)}): {message}")
+    return 1 if findings["bug"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
