@@ -235,7 +235,9 @@ def _none_defaults(model: nn.Module, given: int | None) -> dict[str, None]:
 
 
 # Functions whose `training` argument the trace fixes at the value `self.training` had (F.dropout(x, p,
-# training=self.training)): a graph that calls one is only right in the mode it was traced in.
+# training=self.training)): a graph that calls one is only right in the mode it was traced in. Asked of a GraphModule
+# given to optimize() only, which can't be traced in the other modes (a forward is: _traced_otherwise_in_the_other_modes
+# tells a constant `training=False` from a mode).
 def _mode_dependent_call(graph: fx.Graph, modes: set[bool]) -> fx.Node | None:
     for node in graph.nodes:
         if node.op != "call_function":
@@ -323,6 +325,10 @@ def _trace(model: nn.Module, given_inputs: int | None, given_nones: Sequence[str
         gm = FusedGraphModule(model, copy.deepcopy(model.graph), class_name=type(model).__name__)
         gm.traced_training = getattr(model, "traced_training", None)
         gm.inlined = getattr(model, "inlined", ())
+        if gm.traced_training is None:  # (no trace in the other modes to compare with: any bool that is a mode counts)
+            dependent = _mode_dependent_call(gm.graph, {m.training for m in model.modules()})
+            if dependent is not None:
+                gm.traced_training = ({path: m.training for path, m in model.named_modules()}, dependent.name)
     else:
         if type(model).train is not nn.Module.train:  # (a child's runs: GraphModule.train calls its children's)
             raise RuntimeError(f"its class overrides train(), which the optimized model (a GraphModule, no "
@@ -342,10 +348,6 @@ def _trace(model: nn.Module, given_inputs: int | None, given_nones: Sequence[str
             for name in [k for k in vars(model) if k not in attributes and k.startswith("_tensor_constant")]:
                 delattr(model, name)
         gm.inlined = tuple(tracer.inlined.items())
-    if gm.traced_training is None:
-        dependent = _mode_dependent_call(gm.graph, {m.training for m in model.modules()})
-        if dependent is not None:
-            gm.traced_training = ({path: m.training for path, m in model.named_modules()}, dependent.name)
     _adopt_state(gm, model)
     return gm
 

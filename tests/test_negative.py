@@ -1289,6 +1289,33 @@ def test_a_graph_that_fixed_self_training_refuses_the_other_mode():
     assert_close_report(optimized(x), model.eval()(x))
 
 
+class DropoutOfAFixedMode(nn.Module):
+    """F.dropout with a constant `training`: off (a no-op), or on in both modes (Monte Carlo dropout)."""
+
+    def __init__(self, training: bool):
+        super().__init__()
+        self.fc = nn.Linear(IN, OUT)
+        self.dropout_training = training
+
+    def forward(self, x):
+        return F.dropout(F.gelu(self.fc(x)), 0.5, training=self.dropout_training)
+
+
+@pytest.mark.parametrize("dropout_training", [False, True], ids=["dropout-off", "monte-carlo-dropout"])
+def test_a_graph_whose_dropout_mode_is_a_constant_runs_in_either_mode(dropout_training):
+    """`training=False` (or `True`) that is no module's `self.training` is the same in both modes: the optimized model
+    raised "was in train mode when the model was optimized" after `.eval()`, where eager runs."""
+    model, x = DropoutOfAFixedMode(dropout_training).train(dropout_training), rows()  # (the constant is the mode)
+    optimized = fxfuse.optimize(model, (x,))
+    assert fused_op_count(optimized) == 1
+    for mode in (not dropout_training, dropout_training):
+        model.train(mode), optimized.train(mode)
+        torch.manual_seed(0)
+        expected = model(x)
+        torch.manual_seed(0)
+        assert_close_report(optimized(x), expected)
+
+
 class OptionalMask(nn.Module):
     def __init__(self):
         super().__init__()
