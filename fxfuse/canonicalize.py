@@ -1391,12 +1391,23 @@ _RANK_CHANGES = {"unsqueeze": _signature("(input, dim)"), "flatten": _signature(
 SQUEEZED = "squeeze"
 
 
+# Ops that reorder their input's dims and keep its rank (or raise): methods, and torch functions
+_DIM_ORDERS = ("transpose", "swapaxes", "swapdims", "permute", "t")
+_DIM_ORDER_FUNCTIONS = (torch.transpose, torch.swapaxes, torch.swapdims, torch.permute, torch.t)
+
+
 def rank_change(node: fx.Node) -> tuple[fx.Node, int | tuple | None, int] | None:
     """(input, offset, least) where `node` reshapes its input to a rank that follows from the input's alone: the
     result has max(rank + offset, least) dims (offset None: `least` whatever the rank), where eager computes it.
     `t.unsqueeze(d)`: one more; `t.flatten(s, e)` with dims of one sign: e - s fewer, else (s >= 0, e < 0) s - e of
     any rank; 0-d flattens to 1-D. `t.squeeze(d)`, whose rank depends on the input's sizes: (SQUEEZED, dims, 0), which
-    squeezed_rank evaluates on them. None for any other node."""
+    squeezed_rank evaluates on them. `t.transpose(a, b)`, `t.permute(...)`, `t.t()`: the same rank. `t[i]` of basic
+    indices (_index_change). None for any other node."""
+    if (node.op == "call_method" and node.target in _DIM_ORDERS) or \
+            (node.op == "call_function" and node.target in _DIM_ORDER_FUNCTIONS):
+        return (node.args[0], 0, 0) if node.args and isinstance(node.args[0], fx.Node) else None
+    if node.op == "call_function" and node.target is operator.getitem:
+        return _index_change(node)
     if node.op == "call_method" and node.target in _RANK_CHANGES:
         name = node.target
     elif node.op == "call_function" and node.target in (torch.unsqueeze, torch.flatten, torch.squeeze):
@@ -1424,6 +1435,27 @@ def rank_change(node: fx.Node) -> tuple[fx.Node, int | tuple | None, int] | None
     if (start >= 0) == (end >= 0):
         return (source, start - end, 1) if start <= end else None  # (eager raises for start > end)
     return (source, None, start - end) if start >= 0 else None
+
+
+def _index_change(node: fx.Node) -> tuple | None:
+    """rank_change's (input, offset, least) of `t[index]` with basic indices only: one dim more per None, one fewer per
+    int, slices and Ellipsis keep theirs. A bare int or slice of a forward argument is left out: the argument may be a
+    list or tuple, whose item is no dim fewer (a tensor takes a tuple, None and Ellipsis, which a list does not)."""
+    source, index = node.args if len(node.args) == 2 else (None, None)
+    if not isinstance(source, fx.Node):
+        return None
+    items = index if isinstance(index, tuple) else (index,)
+    if source.op == "placeholder" and not isinstance(index, tuple) and index is not None and index is not Ellipsis:
+        return None
+    offset = 0
+    for item in items:
+        if item is None:
+            offset += 1
+        elif isinstance(item, int) and not isinstance(item, bool):
+            offset -= 1
+        elif item is not Ellipsis and not isinstance(item, slice):  # (a tensor, a list, a bool: advanced indexing)
+            return None
+    return source, offset, 0
 
 
 def _squeeze_change(arguments: dict) -> tuple | None:

@@ -2,7 +2,8 @@
 check before any op can tell (rewrite.py's FIRST_CHECKS), fuse, and a call of another rank or dtype gives eager's
 result or eager's error (the optimized model runs its model's own forward).
 
-Covered: the GEMM's input made by ops that change the rank by a fixed amount (`x.unsqueeze(0)`, `x.sum(1)`) or by
+Covered: the GEMM's input made by ops that change the rank by a fixed amount (`x.unsqueeze(0)`, `x.sum(1)`,
+`x[None]`, `x[:, 0]`) or keep it (`x.transpose(1, 2)`), or by
 a squeeze of a forward argument, whose rank its sizes tell (`x.squeeze(0)`, with example inputs too), an
 outside operand made of forward arguments (`h + x.sum(-1, keepdim=True).unsqueeze(0)`, `h + y.unsqueeze(-1)`), and
 a forward argument that an add's or sub's alpha scales before the region reads it (`torch.sub(h, y, alpha=2)`).
@@ -77,9 +78,19 @@ _X_MADE_BY_RANK_CHANGES = [
     (lambda m, x, y: m.fc(x.sum(1)).softmax(1), (3, 5, IN), [(3, 4, 5, IN), (5, IN)]),
     (lambda m, x, y: F.group_norm(m.fc(x.flatten(0, 1)), 5), (2, 3, IN), [(2, 3, 4, IN), (6, IN)]),
     (lambda m, x, y: m.fc(x.unsqueeze(0).sum(0)).amax(1), (3, IN), [(2, 3, IN), (IN,)]),
+    (lambda m, x, y: m.fc(x.t()).softmax(1), (IN, 5), [(IN,), (2, IN, 5)]),
+    (lambda m, x, y: m.fc(x.transpose(1, 2).flatten(0, 1)).amax(1), (2, IN, 5), [(3, 2, IN, 5), (IN, 5)]),
+    (lambda m, x, y: F.group_norm(m.fc(torch.swapaxes(x, 0, 1)), 5), (IN, 4), [(3, IN, 4), (IN,)]),
+    (lambda m, x, y: m.fc(x.permute(1, 0)).softmax(1), (IN, 5), [(2, IN, 5), (IN,)]),
+    (lambda m, x, y: m.fc(x[None]).softmax(1), (IN,), [(5, IN), (2, 5, IN)]),
+    (lambda m, x, y: F.group_norm(m.fc(x[..., None, :]), 5), (IN,), [(4, IN), (2, 4, IN)]),
+    (lambda m, x, y: m.fc(x[:, 0]).amax(1), (5, 3, IN), [(5, IN), (4, 5, 3, IN)]),
+    (lambda m, x, y: m.fc(x[1:, None, 0]).amax(-1, keepdim=True).softmax(1), (IN, 3, IN),
+     [(IN, 3, 4, IN), (IN, IN)]),
 ]
 _X_IDS = ["unsqueeze-group_norm", "unsqueeze-amax", "unsqueeze-relu-softmax", "sum-softmax", "flatten-group_norm",
-          "unsqueeze-sum"]
+          "unsqueeze-sum", "t-softmax", "transpose-flatten-amax", "swapaxes-group_norm", "permute-softmax",
+          "index-None-softmax", "index-ellipsis-None-group_norm", "index-int-amax", "index-slice-None-int-softmax"]
 
 
 @pytest.mark.parametrize("forward, shape, others", _X_MADE_BY_RANK_CHANGES, ids=_X_IDS)
@@ -92,6 +103,16 @@ def test_an_input_made_by_rank_changes_is_checked_first_and_other_ranks_give_eag
     assert _calls_of(optimized, require_broadcast_rank) == 1, optimized.code
     for other in others:
         _eager_or_its_error(model, optimized, torch.randn(other))
+
+
+def test_an_item_of_a_forward_argument_is_not_taken_for_an_index_of_a_tensor():
+    """`xs[0]` of an argument that may be a list is no dim fewer than it: it keeps the check after the ops (a first
+    check would have sent every call with a list to the model's own forward)."""
+    model = GemmThen(lambda m, xs, y: F.group_norm(m.fc(xs[0]), 5)).eval()
+    optimized = fxfuse.optimize(model)
+    assert fused_op_count(optimized) == 1 and _calls_of(optimized, require_broadcast_rank) == 0, optimized.code
+    for inputs in ([torch.randn(4, IN)], torch.randn(1, 4, IN)):
+        _eager_or_its_error(model, optimized, inputs)
 
 
 def test_an_input_made_by_rank_changes_fuses_in_bfloat16():
