@@ -46,7 +46,7 @@ import torch.nn.functional as F
 import fxfuse
 from fxfuse.testing import DEFAULT_TOLERANCE, fused_op_count
 
-DTYPES = (torch.float32, torch.float32, torch.float64, torch.bfloat16)  # float32 twice as likely
+DTYPES = (torch.float32, torch.float32, torch.float64, torch.bfloat16, torch.float16)  # float32 twice as likely
 MODEL_TIMEOUT_S = 60
 NOISE_FACTOR = 4.0  # a fused value this many times further from float64 than eager's is a failure
 
@@ -63,7 +63,9 @@ class ModelSpec:
     train: bool
     with_examples: bool
     autocast: bool = False        # eager and optimized calls both under CPU autocast to bfloat16
-    strided_input: bool = False   # x a transposed (non-contiguous) tensor
+    strided_input: bool = False   # x (and the forward arguments of features) transposed (non-contiguous) tensors
+    wrapped: bool = False         # the model is the child of a module whose forward fx can't trace
+    keywords: bool = False        # the forward arguments given by name
     init_lines: list[str] = field(default_factory=list)
     forward_lines: list[str] = field(default_factory=list)
     # (name, kind, positive, dtype): kind "full" / "feat" / "row" / "scalar" (a 0-d tensor) / "number" (a float)
@@ -97,6 +99,8 @@ class ModelSpec:
             value = torch.randn(shape, generator=generator)
             if positive:
                 value = torch.rand(shape, generator=generator) + 0.5
+            if self.strided_input and value.dim() >= 2:
+                value = value.mT.contiguous().mT
             values.append(value.to(dtype or self.dtype))
         return values
 
@@ -150,7 +154,8 @@ class Drawer:
     def argument(self, kind: str, positive=False) -> str:
         """Add a forward argument (sometimes of another floating dtype than the model's); return its name."""
         name = f"y{len(self.spec.extra_args)}"
-        dtype = self.pick(torch.float32, torch.bfloat16, torch.float64) if self.rng.random() < 0.15 else None
+        dtype = self.pick(torch.float32, torch.bfloat16, torch.float64, torch.int64, torch.bool) \
+            if self.rng.random() < 0.2 else None
         self.spec.extra_args.append((name, kind, positive, dtype))
         return name
 
@@ -325,11 +330,12 @@ class Drawer:
             t = self.argument(source[4:], positive=positive)
         lines = {
             "add": (f"h = h + {t}", f"h = {t} + h", f"h = torch.add(h, {t})", f"h.add_({t})", f"h += {t}",
-                    f"h = torch.add(h, {t}, alpha=0.5)", f"h = h.add({t}, alpha=-1.5)", f"h.add_({t}, alpha=2)"),
+                    f"h = torch.add(h, {t}, alpha=0.5)", f"h = h.add({t}, alpha=-1.5)", f"h.add_({t}, alpha=2)",
+                    f"torch.add(h, {t}, out=h)", f"h = h.addcdiv({t}, {t}.abs() + 1, value=-0.5)"),
             "sub": (f"h = h - {t}", f"h = {t} - h", f"h = torch.sub(h, {t})", f"h.sub_({t})", f"h -= {t}",
                     f"h = torch.sub(h, {t}, alpha=2)"),
             "mul": (f"h = h * {t}", f"h = {t} * h", f"h = torch.mul(h, {t})", f"h.mul_({t})", f"h *= {t}",
-                    f"h = h.addcmul({t}, {t}, value=0.5)"),
+                    f"h = h.addcmul({t}, {t}, value=0.5)", f"torch.mul(h, {t}, out=h)"),
             "div": (f"h = h / {t}", f"h = torch.div(h, {t})", f"h.div_({t})", f"h /= {t}"),
             "maximum": (f"h = torch.maximum(h, {t})", f"h = torch.max(h, {t})", f"h = h.maximum({t})"),
             "minimum": (f"h = torch.minimum(h, {t})", f"h = torch.min({t}, h)", f"h = h.minimum({t})"),
@@ -465,6 +471,8 @@ def draw_model(seed: int) -> ModelSpec:
         spec.in_features = spec.out_features
     spec.autocast = spec.dtype == torch.float32 and rng.random() < 0.15
     spec.strided_input = rng.random() < 0.15
+    spec.wrapped = rng.random() < 0.15
+    spec.keywords = rng.random() < 0.15
     drawer = Drawer(rng, spec)
     drawer.prologue()
     drawer.gemm()
@@ -491,8 +499,23 @@ def build(spec: ModelSpec, seed: int) -> nn.Module:
     namespace = {"torch": torch, "nn": nn, "F": F, "__name__": f"optimize_hunt_{seed}"}
     exec(compile(source, filename, "exec"), namespace)
     torch.manual_seed(seed)
-    model = namespace["Model"]().to(spec.dtype)
-    return model.train(spec.train)
+    model = namespace["Model"]()
+    if spec.wrapped:
+        model = Untraceable(model)
+    return model.to(spec.dtype).train(spec.train)
+
+
+class Untraceable(nn.Module):
+    """A parent whose forward branches on a tensor's values (fx can't trace it): optimize() fuses its child."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x, *args, **kwargs):
+        if x.numel() > 0 and bool(x.reshape(-1)[0] > 1e9):
+            return x
+        return self.inner(x, *args, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------------ checking
@@ -609,6 +632,8 @@ def check(seed: int) -> tuple[ModelSpec, int, bool]:
         """module(*args) on copies of the tensors (a forward may change an argument in place)."""
         args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
         with (grad or grad_mode)(), context():
+            if spec.keywords:
+                return module(**dict(zip(["x", *(arg[0] for arg in spec.extra_args)], args)))
             return module(*args)
 
     def reference_of(args):
@@ -670,8 +695,9 @@ def check(seed: int) -> tuple[ModelSpec, int, bool]:
 
     leading = second_leading(seed, spec.leading)
     second = spec.inputs(leading, generator)
-    eager2, eager2_error = _run(lambda: call(model, second, torch.no_grad))
-    fused2, fused2_error = _run(lambda: call(optimized, second, torch.no_grad))
+    second_mode = torch.inference_mode if seed % 3 == 0 else torch.no_grad
+    eager2, eager2_error = _run(lambda: call(model, second, second_mode))
+    fused2, fused2_error = _run(lambda: call(optimized, second, second_mode))
     where = f"second call with leading dims {leading}"
     if eager2_error is not None and fused2_error is None:
         raise Failure("bug", f"{where}: eager raises {type(eager2_error).__name__}: {eager2_error}; "
@@ -681,7 +707,60 @@ def check(seed: int) -> tuple[ModelSpec, int, bool]:
         raise Failure(kind, f"{where}: optimized model raises {type(fused2_error).__name__}: {fused2_error}")
     if eager2_error is None:
         _compare_outputs(where, fused2, eager2, lambda: reference_of(second), tolerance_dtype)
+
+    copied, copy_error = _run(lambda: copy.deepcopy(optimized))
+    if copy_error is not None:
+        raise Failure("bug", f"deepcopy of the optimized model raises {type(copy_error).__name__}: {copy_error}")
+    copied_out, copied_error = _run(lambda: call(copied, inputs))
+    if copied_error is not None:
+        raise Failure("bug", f"the optimized model's deepcopy raises {type(copied_error).__name__}: {copied_error}")
+    _compare_outputs("the optimized model's deepcopy", copied_out, eager, lambda: reference_of(inputs),
+                     tolerance_dtype)
+
+    change = change_the_model(model, random.Random(seed + 2_000_003))
+    eager3, eager3_error = _run(lambda: call(model, inputs))
+    fused3, fused3_error = _run(lambda: call(optimized, inputs))
+    where = f"after {change}"
+    if eager3_error is not None and fused3_error is None:
+        raise Failure("bug", f"{where}: eager raises {type(eager3_error).__name__}: {eager3_error}; "
+                             "the optimized model runs")
+    if eager3_error is None and fused3_error is not None:
+        if not any(text in str(fused3_error) for text in FXFUSE_REFUSALS):
+            raise Failure("bug", f"{where}: optimized model raises {type(fused3_error).__name__}: {fused3_error}")
+    elif eager3_error is None:
+        _compare_outputs(where, fused3, eager3, lambda: reference_of(inputs), tolerance_dtype)
     return spec, count, False
+
+
+# fxfuse's documented errors for a model changed after optimize() (docs/BACKEND.md, Limits)
+FXFUSE_REFUSALS = ("run fxfuse.optimize() on the model again", "was in eval mode when it was fused",
+                   "fxfuse: this part of the model was optimized")
+# module settings the hunter changes after optimize(), and how
+SETTINGS = {"negative_slope": lambda v: v + 0.25, "eps": lambda v: v * 10, "min_val": lambda v: v - 0.5,
+            "max_val": lambda v: v + 0.5, "alpha": lambda v: v * 2, "beta": lambda v: v + 1, "threshold": lambda v: 1.0,
+            "approximate": lambda v: "tanh" if v == "none" else "none", "inplace": lambda v: not v}
+
+
+def change_the_model(model: nn.Module, rng: random.Random) -> str:
+    """Change `model` after optimize(): a module's setting, its mode, or a parameter's values; say what."""
+    choice = rng.random()
+    settings = [(name, module, attribute) for name, module in model.named_modules()
+                for attribute in SETTINGS if isinstance(getattr(module, attribute, None), (bool, int, float, str))]
+    if choice < 0.4 and settings:
+        name, module, attribute = rng.choice(settings)
+        before = getattr(module, attribute)
+        setattr(module, attribute, SETTINGS[attribute](before))
+        return f"{name}.{attribute} = {getattr(module, attribute)!r} (was {before!r})"
+    if choice < 0.7:
+        model.train(not model.training)
+        return f"model.train({model.training})"
+    parameters = list(model.named_parameters())
+    if not parameters:
+        return "nothing"
+    name, parameter = rng.choice(parameters)
+    with torch.no_grad():
+        parameter.mul_(-1.5)
+    return f"{name} *= -1.5"
 
 
 def describe_mode(spec: ModelSpec) -> str:
@@ -690,6 +769,8 @@ def describe_mode(spec: ModelSpec) -> str:
              "examples" if spec.with_examples else "no-examples", f"x{spec.leading}"]
     words += ["autocast"] if spec.autocast else []
     words += ["strided x"] if spec.strided_input else []
+    words += ["wrapped"] if spec.wrapped else []
+    words += ["keywords"] if spec.keywords else []
     return " ".join(words)
 
 
