@@ -258,6 +258,14 @@ class _Proxy(fx.Proxy):
     augmented_assignment): fx's own falls back to `t = t + b`, so `t += b` in a helper left the caller's tensor
     unchanged in the graph."""
 
+    def __getattr__(self, name: str):
+        return _Attribute(self, name)
+
+
+class _Attribute(fx.proxy.Attribute, _Proxy):
+    """fx's proxy of an attribute (`h.T`, `r.values`), whose augmented assignments are recorded as _Proxy's: `t = h.T;
+    t += 1` changes h."""
+
 
 def _recorded_in_place(function):
     def method(self, other):

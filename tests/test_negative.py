@@ -2229,6 +2229,42 @@ def test_an_augmented_assignment_is_traced_as_the_in_place_op_it_is():
     assert torch.equal(actual_input, expected_input)  # both went up by one
 
 
+def add_into_a_transpose(m, x, y):
+    h = m.fc(x)
+    t = h.T
+    t += 1.0  # changes h through its view
+    return torch.relu(m.fc2(h))
+
+
+def subtract_from_the_values_of_a_max(m, x, y):
+    h = m.fc(x).max(-1).values
+    h -= y  # raises in eager where y would broadcast h to more dims
+    return torch.relu(m.fc2(x)) + h.unsqueeze(-1)
+
+
+def test_an_augmented_assignment_to_an_attribute_of_a_traced_tensor_is_in_place():
+    """`t = h.T; t += 1` (an attribute's proxy, fx's Attribute, had no `__iadd__` of fxfuse's) was traced as
+    `t = t + 1`: h was left unchanged, and fc2 read it so (a silent wrong result)."""
+    model = GemmThen(add_into_a_transpose, fc2=nn.Linear(OUT, OUT)).eval()
+    optimized = fxfuse.optimize(model, (rows(),))
+    assert fused_op_count(optimized) == 1
+    x = rows()
+    with torch.no_grad():
+        assert_close_report(optimized(x), model(x))
+
+
+def test_an_augmented_assignment_to_an_attribute_of_a_traced_tensor_raises_as_eager():
+    """`h = t.max(-1).values; h -= y` with a y of more dims raises in eager (an in-place op keeps h's shape): it ran
+    as `h - y`."""
+    model = GemmThen(subtract_from_the_values_of_a_max, fc2=nn.Linear(IN, OUT)).eval()
+    optimized = fxfuse.optimize(model)
+    assert fused_op_count(optimized) == 2
+    x, y = rows(), torch.randn(BATCH, 1)
+    for candidate in (model, optimized):
+        with pytest.raises(RuntimeError, match="doesn't match the broadcast shape"):
+            candidate(x, y)
+
+
 class KeepsItsActivations(nn.Module):
     def __init__(self):
         super().__init__()
