@@ -453,6 +453,9 @@ class _Growth:
             problem = self.in_place_problem(node, mutated, operands)
             if problem:
                 return problem
+        problem = self.number_promotion_problem(node, c, operands, values)
+        if problem:
+            return problem
         if c.op == IDENTITY:
             least, rank = c.attrs.get("rank_at_least"), self.rank.get(values[0].index)
             if least is not None and rank is not None and rank < least:
@@ -616,6 +619,21 @@ class _Growth:
         if isinstance(number, bool) or not isinstance(number, (int, float)):
             return None, f"{describe(expression)} is {type(number).__name__}, not a number"
         return number, None
+
+    def number_promotion_problem(self, node: fx.Node, c: Canonical, operands, values) -> str | None:
+        """A forward argument may be a number at a call, which the fused op reads as a 0-d tensor (rewrite's
+        number_as_tensor, float64 for a float): a binary op of it and a value of no dims (`fc(x).amax(-1) / s` of a
+        1-D x) would then promote the result to float64, where eager's number keeps the value's dtype."""
+        spec = EPILOGUE_OPS.get(c.op)
+        if self.facts.inputs_guarded or spec is None or not spec.is_binary or \
+                all(self.min_rank[v.index] > 0 for v in values):
+            return None
+        for operand in operands:
+            outside = self.params[operand.index] if isinstance(operand, Param) else None
+            if isinstance(outside, fx.Node) and _reads_input(outside):
+                return (f"{describe(node)} reads {describe(outside)}, which may be a number at a call, with a value "
+                        "that may have no dims: the number's 0-d tensor would promote it")
+        return None
 
     def in_place_problem(self, node: fx.Node, mutated: fx.Node, operands) -> str | None:
         """An in-place op keeps the mutated value's shape and dtype, where the fused op's result would broadcast

@@ -1182,6 +1182,21 @@ def test_any_number_for_an_unannotated_argument_computes_as_eager(number, dtype)
         assert_close_report(optimized(x, number), model(x, number), atol=0.0)  # h / 1e5 is small, not 0
 
 
+def test_a_number_argument_keeps_the_dtype_of_a_value_of_no_dims():
+    """Without example inputs, `fc(x).amax(-1) / s` of a 1-D x is 0-d: a 0-d float64 tensor for the number s promoted
+    it to float64, where eager's number keeps float32. Such an operand is left out of the region where the value may
+    have no dims (with example inputs, it has the example's)."""
+    model = GemmThen(lambda m, x, y: torch.relu(m.fc(x)).amax(-1) / y).eval()
+    optimized = fxfuse.optimize(model)
+    assert fused_programs(optimized) == ["relu(%0);amax(%1,-1,False)"]
+    assert_reason(optimized, "which may be a number at a call, with a value that may have no dims")
+    with torch.no_grad():
+        for x in (torch.randn(IN), rows()):
+            assert_close_report(optimized(x, 2.0), model(x, 2.0))
+    assert fused_programs(fxfuse.optimize(model, (rows(), torch.tensor(2.0)))) == \
+        ["relu(%0);amax(%1,-1,False);div(%2,$0)"]
+
+
 @pytest.mark.parametrize("number", [1e40, 1e-50, 0.1])
 def test_a_float_argument_keeps_its_precision_in_a_float64_model(number):
     """number_as_tensor made a float32 tensor of it: 1e40 became inf and 1e-50 zero once the model ran in float64
