@@ -754,6 +754,24 @@ class _Growth:
             self.x_rank = (needed, len(self.members))
         return None
 
+    def may_have_more_features(self, index: int) -> bool:
+        """Whether value `index` may have more than the GEMM's features in its last dim: a GEMM of one feature
+        broadcasts with an outside tensor of more, or of a count not known, to its size (`fc(x) + x` of a
+        Linear(k, 1)), up to a reduction over the features."""
+        if self.features != 1 or index == 0:
+            return False
+        instruction = self.instructions[index - 1]
+        if EPILOGUE_OPS[instruction.op.rstrip("_")].kind == REDUCTION:
+            return False
+        for operand in instruction.operands:
+            if isinstance(operand, Value) and self.may_have_more_features(operand.index):
+                return True
+            if isinstance(operand, Param):
+                tensor = self.facts.tensor(self.params[operand.index])
+                if tensor is None or (tensor.dim() > 0 and tensor.shape[-1] != 1):
+                    return True
+        return False
+
     def row_local_problem(self, node, c: Canonical, spec, input_index: int, rank: int | None) -> str | None:
         """Norms and reductions must work within each row of the GEMM output; say why not if they don't."""
         if spec.kind == POINTWISE and c.op != "batch_norm":
@@ -772,6 +790,9 @@ class _Growth:
         size = c.attrs.get("normalized_size")
         if size is not None and size != self.features:
             return f"{name}'s normalized_shape is ({size},) but the GEMM has {self.features} features (eager raises)"
+        if size is not None and self.may_have_more_features(input_index):
+            return (f"{name}'s normalized_shape is ({size},) but its value may have more features after a broadcast "
+                    "with an outside tensor (eager raises)")
         if size is not None and module_tensor_path(self.weight) is None and not self.facts.inputs_guarded:
             # the program normalizes over the last dim, whatever its size: eager raises for another
             return (f"{name}'s normalized_shape is ({size},) but the GEMM's weight {describe(self.weight)} is no "

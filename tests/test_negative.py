@@ -3149,6 +3149,31 @@ def test_a_normalized_shape_after_a_forward_argument_weight_is_not_fused(norm):
     assert_close_report(optimized(x, w), model(x, w))
 
 
+@pytest.mark.parametrize("with_examples", [True, False], ids=["example-inputs", "no-example-inputs"])
+@pytest.mark.parametrize("norm", [
+    lambda m, h: F.layer_norm(h, (1,)),
+    lambda m, h: F.rms_norm(h, [1]),
+    lambda m, h: m.rms(h),
+], ids=["layer_norm", "rms_norm", "RMSNorm"])
+def test_a_normalized_shape_of_one_feature_after_a_broadcast_to_more_raises_as_eager(norm, with_examples):
+    """A GEMM of one feature plus a tensor of more (`fc(x) + x`) has rows of the tensor's size: eager raises for a
+    normalized_shape of (1,), where the fused op normalized the wider rows."""
+    model = GemmThen(lambda m, x, y: norm(m, m.fc(x) + x), out_features=1,
+                     rms=nn.RMSNorm(1, elementwise_affine=False)).eval()
+    x = rows()
+    optimized = fxfuse.optimize(model, (x,) if with_examples else None)
+    assert fused_programs(optimized) == ["add(%0,$0)"]
+    assert_reason(optimized, "may have more features after a broadcast")
+    for candidate in (model, optimized):
+        with pytest.raises(RuntimeError, match="normalized_shape"):
+            candidate(x)
+
+
+def test_a_normalized_shape_of_one_feature_after_a_broadcast_of_one_fuses():
+    model = GemmThen(lambda m, x, y: F.layer_norm(m.fc(x) + m.b, (1,)), out_features=1, b=torch.randn(BATCH, 1)).eval()
+    assert_whole_chain_fused(model, (rows(),))
+
+
 @pytest.mark.parametrize("later_y, error", [
     (torch.randn(3, BATCH, OUT), RuntimeError),              # would broadcast the mutated value bigger
     (torch.randn(BATCH, OUT, dtype=torch.float64), None),     # eager keeps float32
