@@ -255,8 +255,9 @@ def _contiguous(a, inplace):
 def _clone(a, inplace):
     if a["memory_format"] not in (None, torch.preserve_format, torch.contiguous_format):
         raise NotFusible(f"clone with memory_format={a['memory_format']}")
-    # a copy; an in-place op on it is refused where the original is read after it, as for an alias: conservative
-    return Canonical(IDENTITY, (a["input"],), {})
+    # a copy: no view of its input (match._bases); in a region an in-place op on it is refused where the original is
+    # read after it, as for an alias (the program's values are one per op): conservative
+    return Canonical(IDENTITY, (a["input"],), {"copy": True})
 
 
 @spelling("(input)", functions=(torch.detach,), methods=("detach",))

@@ -1204,7 +1204,8 @@ def _bases(tensor, canon, through_in_place=True, stop=None) -> set:
     GEMMs of the vocabulary, which make tensors of their own (`y[:, :]`, `y.view(-1)`, `nn.Identity()(y)`,
     `torch.broadcast_tensors(t, y)[1]` lead to `y`), and (`through_in_place`) their in-place spellings, to the
     tensor they change alone (`out += x` is `out`); not back through `stop` (what it returns is read after its
-    changes), nor through fused ops, whose outputs are their own (an earlier region's: matching stays linear)."""
+    changes), nor through clone, nor through fused ops, whose outputs are their own (an earlier region's: matching
+    stays linear)."""
     bases, stack = set(), [tensor]
     while stack:
         node = stack.pop()
@@ -1215,6 +1216,8 @@ def _bases(tensor, canon, through_in_place=True, stop=None) -> set:
                                                                             "call_module") or node.target in FUSED_OPS:
             continue
         c = canon.get(node)
+        if c is not None and c.op == IDENTITY and c.attrs.get("copy"):
+            continue
         if c is not None and c.op not in (IDENTITY, COVERED) and not c.problem:
             if c.inplace_of is not None and through_in_place:
                 stack.append(c.inplace_of)

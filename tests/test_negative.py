@@ -428,6 +428,25 @@ def test_in_place_change_of_an_operand_between_region_ops_is_not_fused(epilogue)
     assert_close_report(actual, expected)
 
 
+def scale_a_clone_of_an_operand_between_region_ops(m, x, y):
+    h = m.fc(x)
+    copied = y.clone()
+    copied.mul_(2.0)  # changes the copy, not y
+    return torch.relu(h + y) + copied
+
+
+def test_in_place_change_of_a_clone_between_region_ops_is_fused():
+    """`y.clone()` is a tensor of its own: an in-place op on it changes nothing the region reads. It was taken for a
+    view of y ("changes `y` between the region's ops"), and the chain was not fused."""
+    model = GemmThen(scale_a_clone_of_an_operand_between_region_ops)
+    x, y = rows(), torch.randn(BATCH, OUT)
+    optimized = fxfuse.optimize(model, (x, y))
+    assert fused_op_count(optimized) == 1, optimized.fxfuse_report
+    assert not any("changes" in reason for reason in reasons(optimized)), reasons(optimized)
+    with torch.no_grad():
+        assert_close_report(optimized(x, y), model(x, y))
+
+
 def test_in_place_op_on_the_region_value_is_fused():
     model = GemmThen(lambda m, x, y: m.fc(x).mul_(2.0).relu_())
     assert_whole_chain_fused(model, (rows(),))
