@@ -1388,8 +1388,11 @@ def _into_out(node: fx.Node, c: Canonical, out) -> Canonical:
 _RANK_CHANGES = {"unsqueeze": _signature("(input, dim)"), "flatten": _signature("(input, start_dim=0, end_dim=-1)"),
                  "squeeze": _signature("(input, dim=None)")}
 # The offset rank_change gives a squeeze: ("squeeze", dims, more), the rank that squeezing `dims` (None: every dim) of
-# its input leaves, which the input's sizes tell at each call (squeezed_rank), and `more` dims more.
+# its input leaves, which the input's sizes tell at each call (shape_after), and `more` dims more. Where the squeezed
+# value is a forward argument reshaped first (`x.unsqueeze(1).squeeze(0)`), rewrite's offsets add those steps:
+# ("squeeze", dims, more, steps), each step ("squeeze", dims) or ("unsqueeze", dim), applied to the argument's shape.
 SQUEEZED = "squeeze"
+UNSQUEEZED = "unsqueeze"
 
 
 # Ops that reorder their input's dims and keep its rank (or raise): methods, and torch functions
@@ -1402,7 +1405,7 @@ def rank_change(node: fx.Node) -> tuple[fx.Node, int | tuple | None, int] | None
     result has max(rank + offset, least) dims (offset None: `least` whatever the rank), where eager computes it.
     `t.unsqueeze(d)`: one more; `t.flatten(s, e)` with dims of one sign: e - s fewer, else (s >= 0, e < 0) s - e of
     any rank; 0-d flattens to 1-D. `t.squeeze(d)`, whose rank depends on the input's sizes: (SQUEEZED, dims, 0), which
-    squeezed_rank evaluates on them. `t.transpose(a, b)`, `t.permute(...)`, `t.t()`: the same rank. `t[i]` of basic
+    shape_after evaluates on them. `t.transpose(a, b)`, `t.permute(...)`, `t.t()`: the same rank. `t[i]` of basic
     indices (_index_change). None for any other node."""
     if (node.op == "call_method" and node.target in _DIM_ORDERS) or \
             (node.op == "call_function" and node.target in _DIM_ORDER_FUNCTIONS):
@@ -1471,17 +1474,43 @@ def _squeeze_change(arguments: dict) -> tuple | None:
     return source, (SQUEEZED, None if dims is None else tuple(dims), 0), 0
 
 
-def squeezed_rank(shape, dims: tuple | None) -> int | None:
-    """The rank of `t.squeeze(dims)` for a tensor t of `shape` (dims None: every dim), as eager's squeeze makes it;
-    None where eager raises (a dim out of range, or given twice)."""
-    rank = len(shape)
-    if dims is None:
-        return sum(size != 1 for size in shape)
-    bound = max(rank, 1)  # (a 0-d tensor takes dim 0 or -1)
-    wrapped = [dim + bound if dim < 0 else dim for dim in dims]
-    if any(not 0 <= dim < bound for dim in wrapped) or len(set(wrapped)) != len(wrapped):
+def shape_step(node: fx.Node) -> tuple[fx.Node, tuple] | None:
+    """(input, step) where `node` squeezes its input (step ("squeeze", dims), dims None for every dim) or unsqueezes
+    it (("unsqueeze", dim)), steps that shape_after replays on a shape; None for any other node."""
+    change = rank_change(node)
+    if change is None:
         return None
-    return rank - sum(1 for dim in wrapped if rank and shape[dim] == 1)
+    source, offset, _ = change
+    if isinstance(offset, tuple):
+        return source, (SQUEEZED, offset[1])
+    if node.target not in (UNSQUEEZED, torch.unsqueeze):  # (flatten, transpose, indexing: no step of shape_after's)
+        return None
+    signature = _RANK_CHANGES[UNSQUEEZED]
+    dim = signature.bind(*node.args, **_from_numpy_keywords(node.kwargs, signature)).arguments["dim"]
+    return (source, (UNSQUEEZED, dim)) if isinstance(dim, int) and not isinstance(dim, bool) else None
+
+
+def shape_after(shape, steps) -> tuple | None:
+    """The shape that shape_step's `steps` make of a tensor of `shape`, as eager's squeeze and unsqueeze make it;
+    None where eager raises (a dim out of range, or given twice)."""
+    shape = tuple(shape)
+    for name, dims in steps:
+        rank = len(shape)
+        if name == UNSQUEEZED:
+            if not -rank - 1 <= dims <= rank:
+                return None
+            at = dims + rank + 1 if dims < 0 else dims
+            shape = shape[:at] + (1,) + shape[at:]
+            continue
+        if dims is None:
+            shape = tuple(size for size in shape if size != 1)
+            continue
+        bound = max(rank, 1)  # (a 0-d tensor takes dim 0 or -1)
+        wrapped = [dim + bound if dim < 0 else dim for dim in dims]
+        if any(not 0 <= dim < bound for dim in wrapped) or len(set(wrapped)) != len(wrapped):
+            return None
+        shape = tuple(size for i, size in enumerate(shape) if not (i in wrapped and size == 1))
+    return shape
 
 
 def _whole_view(node: fx.Node) -> Canonical | None:

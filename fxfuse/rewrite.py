@@ -19,8 +19,8 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .canonicalize import (IDENTITY, LINEAR, Attr, augmented_assignment, canonicalize, has_call_hooks, hooks_of,
-                           rank_change, restore_readers_outside_regions, squeezed_rank)
+from .canonicalize import (IDENTITY, LINEAR, SQUEEZED, Attr, augmented_assignment, canonicalize, has_call_hooks,
+                           hooks_of, rank_change, restore_readers_outside_regions, shape_after, shape_step)
 from .epilogue import EPILOGUE_OPS, NORM, POINTWISE, REDUCTION
 from .library import gemm_epilogue, gemm_epilogue_train
 from .match import Facts, Region, find_region, module_tensor, module_tensor_path
@@ -299,7 +299,8 @@ def require_broadcast_rank(values: tuple, least: int, rank: int, what: str, offs
     """require_argument_rank for a value that the graph makes of forward arguments by ops that keep their rank, with
     module tensors of up to `least` dims (`self.fc(x + 1)`), or change it by a fixed amount (`offsets`, one per
     value, None where its rank does not count: `self.fc(x.unsqueeze(0))` is 1 more than x's), or by what its sizes
-    tell (an offset (SQUEEZED, dims, more): `self.fc(x.squeeze(0).unsqueeze(0))` is x.squeeze(0)'s rank, 1 more): it
+    tell (an offset (SQUEEZED, dims, more[, steps]): `self.fc(x.squeeze(0).unsqueeze(0))` is x.squeeze(0)'s rank, 1
+    more; `steps`, the squeezes and unsqueezes of x before that squeeze, `x.unsqueeze(1).squeeze(0)`): it
     has the most dims of them, which, where not `rank`, runs the model's forward instead (NotOptimizedForThisCall), as
     it does where eager's squeeze raises. Anything but a tensor has no dims to broadcast."""
     offsets = (0,) * len(values) if offsets is None else offsets
@@ -308,12 +309,12 @@ def require_broadcast_rank(values: tuple, least: int, rank: int, what: str, offs
         if not isinstance(value, torch.Tensor) or offset is None:
             continue
         if isinstance(offset, tuple):
-            _, dims, more = offset
-            squeezed = squeezed_rank(value.shape, dims)
+            _, dims, more, *before = offset
+            squeezed = shape_after(value.shape, (*(before[0] if before else ()), (SQUEEZED, dims)))
             if squeezed is None:
-                raise NotOptimizedForThisCall(f"fxfuse: eager's squeeze raises for an input of shape "
-                                              f"{tuple(value.shape)} (dims {dims})")
-            made.append(squeezed + more)
+                raise NotOptimizedForThisCall(f"fxfuse: eager's squeeze or unsqueeze raises for an input of shape "
+                                              f"{tuple(value.shape)} (squeezing dims {dims})")
+            made.append(len(squeezed) + more)
         else:
             made.append(value.dim() + offset)
     if max(made) != rank:
@@ -486,8 +487,8 @@ def _is_argument(value) -> bool:
 
 def _shifted(offset, more: int):
     """An argument's offset (_ranks_following_arguments') of a value that an op makes `more` dims larger."""
-    if isinstance(offset, tuple):  # (SQUEEZED, dims, more)
-        return (*offset[:2], offset[2] + more)
+    if isinstance(offset, tuple):  # (SQUEEZED, dims, more[, steps])
+        return (*offset[:2], offset[2] + more, *offset[3:])
     return offset + more
 
 
@@ -517,14 +518,16 @@ def _ranks_following_arguments(gm: fx.GraphModule, canon: dict, mutations: list)
     x of 1 dim or more keeps its rank; the most dims of their operands, module tensors' included), and by ops that
     change it by a fixed amount: a reduction over one dim without keepdim (one fewer, of 1 dim or more),
     canonicalize.rank_change's (`unsqueeze`, `flatten`); and a squeeze of an argument, or of what ops that keep
-    its shape make of it alone (`x.relu().squeeze(0)`), whose rank the argument's sizes tell (an offset (SQUEEZED,
-    dims, more)), where no op before it may change the argument in place (`x.t_()`: the sizes the first checks see
-    are the call's). `mutations`: Facts.mutations'."""
+    its shape, squeezes and unsqueezes make of it alone (`x.relu().squeeze(0)`, `x.unsqueeze(1).squeeze(0)`), whose
+    rank the argument's sizes tell (an offset (SQUEEZED, dims, more[, steps])), where no op before it may change the
+    argument in place (`x.t_()`: the sizes the first checks see are the call's). `mutations`: Facts.mutations'."""
     following = {}
     changing = dict(mutations)
     made_from = {}  # node -> the arguments it is made of (any of which it may be, `x.contiguous()`)
     changed = set()  # the arguments that an op so far may have changed in place, or a value that may be one
-    shaped_as = {}  # node -> the argument whose shape it has: the argument, and unary pointwise ops and no-ops of it
+    # node -> (the argument, the squeeze and unsqueeze steps (shape_step's) that make its shape of the argument's):
+    # the argument, those steps of it, and pointwise ops with numbers and no-ops of such a value
+    shaped_as = {}
     for node in gm.graph.nodes:
         c = canon.get(node)
         inputs = [made_from[n] for n in node.all_input_nodes if n in made_from]
@@ -533,17 +536,21 @@ def _ranks_following_arguments(gm: fx.GraphModule, canon: dict, mutations: list)
         changed.update(*(made_from.get(m, ()) for m in changing.get(node, ()) if isinstance(m, fx.Node)))
         if node.op == "placeholder":
             following[node] = ({node: 0}, 0)
-            shaped_as[node] = node
+            shaped_as[node] = (node, ())
             continue
         if _keeps_its_operands_shape(c) and c.operands[0] in shaped_as:
             shaped_as[node] = shaped_as[c.operands[0]]
+        step = shape_step(node) if c is None else None
+        if step is not None and step[0] in shaped_as:
+            argument, steps = shaped_as[step[0]]
+            shaped_as[node] = (argument, (*steps, step[1]))
         reshaped = rank_change(node) if c is None else None
         if reshaped is not None and reshaped[0] in following:
             source, offset, least = reshaped
             if isinstance(offset, tuple):  # (a squeeze: of an argument's own sizes, as the call gave them)
-                argument = shaped_as.get(source)
+                argument, steps = shaped_as.get(source, (None, ()))
                 if argument is not None and argument not in changed:
-                    following[node] = ({argument: offset}, least)
+                    following[node] = ({argument: (*offset, steps) if steps else offset}, least)
                 continue
             made_of, most = following[source]
             following[node] = ({argument: None if offset is None or known is None else _shifted(known, offset)

@@ -139,10 +139,16 @@ _X_MADE_BY_SQUEEZE = [
     (lambda m, x, y: m.fc(x.relu().mul(2).contiguous().squeeze(0)).softmax(1), (1, 5, IN),
      [(2, 5, IN), (5, IN), (1, 1, IN)]),
     (lambda m, x, y: F.group_norm(m.fc(torch.squeeze(F.silu(x) - 1.5, 0)), 5), (1, 4, IN), [(2, 4, IN), (4, IN)]),
+    (lambda m, x, y: F.group_norm(m.fc(x.unsqueeze(1).squeeze(0)), 5), (1, IN), [(4, IN), (1, 4, IN), (IN,)]),
+    (lambda m, x, y: m.fc(x.squeeze(0).squeeze()).softmax(1), (1, 1, 5, IN),
+     [(1, 2, 5, IN), (5, IN), (2, 1, IN), (1, 5, 1, IN), (IN,)]),
+    (lambda m, x, y: m.fc(x.squeeze(0).relu().unsqueeze(0).squeeze((0, 1))).softmax(1), (1, 1, 5, IN),
+     [(1, 2, 5, IN), (5, IN), (1, 5, IN), (IN,)]),
 ]
 _SQUEEZE_IDS = ["squeeze-group_norm", "squeeze-all-softmax", "torch.squeeze-amax", "squeeze-dims-group_norm",
                 "squeeze-varargs-relu-softmax", "squeeze-unsqueeze-softmax", "squeeze-unsqueeze-flatten-group_norm",
-                "relu-mul-contiguous-squeeze-softmax", "silu-sub-squeeze-group_norm"]
+                "relu-mul-contiguous-squeeze-softmax", "silu-sub-squeeze-group_norm", "unsqueeze-squeeze-group_norm",
+                "squeeze-squeeze-softmax", "squeeze-relu-unsqueeze-squeeze-softmax"]
 
 
 @pytest.mark.parametrize("forward, shape, others", _X_MADE_BY_SQUEEZE, ids=_SQUEEZE_IDS)
