@@ -559,11 +559,15 @@ class _Growth:
         for o in operands:
             if isinstance(o, Value) and o.index not in self.one_feature:
                 return False
-            if isinstance(o, Param):
-                tensor = self.facts.tensor(self.params[o.index])
-                if tensor is None or (tensor.dim() > 0 and tensor.shape[-1] != 1):
-                    return False
+            if isinstance(o, Param) and self.param_may_be_wider_than_one_feature(o.index):
+                return False
         return True
+
+    def param_may_be_wider_than_one_feature(self, index: int) -> bool:
+        """Whether param `index` may broadcast a value of one feature to more: its shape is not known, or its last
+        dim is not 1."""
+        tensor = self.facts.tensor(self.params[index])
+        return tensor is None or (tensor.dim() > 0 and tensor.shape[-1] != 1)
 
     def over_one_feature(self, c: Canonical, spec, index: int):
         """The pointwise steps that stand for a norm or reduction whose input's features dim an earlier keepdim
@@ -766,10 +770,8 @@ class _Growth:
         for operand in instruction.operands:
             if isinstance(operand, Value) and self.may_have_more_features(operand.index):
                 return True
-            if isinstance(operand, Param):
-                tensor = self.facts.tensor(self.params[operand.index])
-                if tensor is None or (tensor.dim() > 0 and tensor.shape[-1] != 1):
-                    return True
+            if isinstance(operand, Param) and self.param_may_be_wider_than_one_feature(operand.index):
+                return True
         return False
 
     def row_local_problem(self, node, c: Canonical, spec, input_index: int, rank: int | None) -> str | None:
