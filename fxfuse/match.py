@@ -249,7 +249,7 @@ class _Growth:
         self.dtypes: list[tuple[tuple, int, str]] = []  # (an admitted idiom's dtypes, the members before it, its op)
         self.feature_reads: list[int] = []  # the member count before each op that reads a number of the features
         self.out_writes: list[tuple[int, str, int]] = []  # (the member count before an out= op, its op, params so far)
-        self.x_ranks_at_least: list[tuple[int, int]] = []  # (the member count before a whole view, the rank it needs)
+        self.x_ranks_at_least: list[tuple[int, int]] = []  # (the member count before the op that needs it, the rank)
         # (the member count before an op that scales a forward argument of unknown dtype first, it, the op's name)
         self.scaled_arguments: list[tuple[int, fx.Node, str]] = []
         self.instructions: list[Instruction] = []
@@ -627,16 +627,25 @@ class _Growth:
     def number_promotion_problem(self, node: fx.Node, c: Canonical, operands, values) -> str | None:
         """A forward argument may be a number at a call, which the fused op reads as a 0-d tensor (rewrite's
         number_as_tensor, float64 for a float): a binary op of it and a value of no dims (`fc(x).amax(-1) / s` of a
-        1-D x) would then promote the result to float64, where eager's number keeps the value's dtype."""
+        1-D x) would then promote the result to float64, where eager's number keeps the value's dtype. Where x is a
+        forward argument, a first check of its rank keeps every such value 1-D or more (a call of fewer dims runs the
+        model's own forward); else the operand is left out of the region."""
         spec = EPILOGUE_OPS.get(c.op)
-        if self.facts.inputs_guarded or spec is None or not spec.is_binary or \
-                all(self.min_rank[v.index] > 0 for v in values):
+        if self.facts.inputs_guarded or spec is None or not spec.is_binary:
+            return None
+        may_have_no_dims = [v for v in values if self.least_rank[v.index] == 0]
+        if not may_have_no_dims:
             return None
         for operand in operands:
             outside = self.params[operand.index] if isinstance(operand, Param) else None
-            if isinstance(outside, fx.Node) and _reads_input(outside):
-                return (f"{describe(node)} reads {describe(outside)}, which may be a number at a call, with a value "
-                        "that may have no dims: the number's 0-d tensor would promote it")
+            if not (isinstance(outside, fx.Node) and _reads_input(outside)):
+                continue
+            if isinstance(self.x, fx.Node) and self.x.op == "placeholder":
+                least = max(self.dims_below_x[v.index] for v in may_have_no_dims) + 1
+                self.x_ranks_at_least.append((len(self.members), least))
+                return None
+            return (f"{describe(node)} reads {describe(outside)}, which may be a number at a call, with a value "
+                    "that may have no dims: the number's 0-d tensor would promote it")
         return None
 
     def in_place_problem(self, node: fx.Node, mutated: fx.Node, operands) -> str | None:

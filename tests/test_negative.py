@@ -1201,19 +1201,34 @@ def test_any_number_for_an_unannotated_argument_computes_as_eager(number, dtype)
         assert_close_report(optimized(x, number), model(x, number), atol=0.0)  # h / 1e5 is small, not 0
 
 
-def test_a_number_argument_keeps_the_dtype_of_a_value_of_no_dims():
-    """Without example inputs, `fc(x).amax(-1) / s` of a 1-D x is 0-d: a 0-d float64 tensor for the number s promoted
-    it to float64, where eager's number keeps float32. Such an operand is left out of the region where the value may
-    have no dims (with example inputs, it has the example's)."""
+@pytest.mark.parametrize("example", [False, True], ids=["no_example", "example"])
+def test_a_number_argument_keeps_the_dtype_of_a_value_of_no_dims(example):
+    """`fc(x).amax(-1) / s` of a 1-D x is 0-d: the fused op's 0-d float64 tensor for a number s promoted it to float64,
+    where eager's number keeps float32 (with example inputs too, at a later call of a 1-D x). A first check of x's rank
+    keeps the division in the region: a 1-D x runs the model's own forward."""
     model = GemmThen(lambda m, x, y: torch.relu(m.fc(x)).amax(-1) / y).eval()
+    optimized = fxfuse.optimize(model, (rows(), torch.tensor(2.0))) if example else fxfuse.optimize(model)
+    assert fused_programs(optimized) == ["relu(%0);amax(%1,-1,False);div(%2,$0)"]
+    with torch.no_grad():
+        for x in (torch.randn(IN), rows()):
+            for y in (2.0, torch.tensor(2.0), torch.tensor(2.0, dtype=torch.float64)):
+                got, want = optimized(x, y), model(x, y)
+                assert got.dtype == want.dtype, (tuple(x.shape), y)
+                assert_close_report(got, want)
+
+
+def test_a_number_argument_beside_a_value_of_no_dims_of_a_computed_input_is_left_out():
+    """The rank check runs first, on a forward argument: of a GEMM input the graph computes, the division that may
+    promote stays out of the region, and explain() says why."""
+    model = GemmThen(lambda m, x, y: torch.relu(m.fc(x.relu())).amax(-1) / y).eval()
     optimized = fxfuse.optimize(model)
     assert fused_programs(optimized) == ["relu(%0);amax(%1,-1,False)"]
     assert_reason(optimized, "which may be a number at a call, with a value that may have no dims")
     with torch.no_grad():
-        for x in (torch.randn(IN), rows()):
-            assert_close_report(optimized(x, 2.0), model(x, 2.0))
-    assert fused_programs(fxfuse.optimize(model, (rows(), torch.tensor(2.0)))) == \
-        ["relu(%0);amax(%1,-1,False);div(%2,$0)"]
+        x = torch.randn(IN)
+        got, want = optimized(x, 2.0), model(x, 2.0)
+        assert got.dtype == want.dtype == torch.float32
+        assert_close_report(got, want)
 
 
 @pytest.mark.parametrize("number", [1e40, 1e-50, 0.1])
