@@ -37,6 +37,9 @@ from .epilogue import EPILOGUE_OPS, POINTWISE
 LINEAR = "linear"      # the GEMM anchor: operands (x, weight, bias); attr transpose_weight
 IDENTITY = "identity"  # a no-op in the region (eval-mode dropout, nn.Identity, contiguous, clone)
 COVERED = "covered"    # a node that another canonical op stands for (its only operand): matched through it
+# an average pool over the features of a GEMM's output, which the GEMM's weight and bias take (avg_pool1d with
+# stride = kernel): attrs kernel, unsqueezed (written as `h.unsqueeze(1)`, the pool, `.squeeze(1)`: of a 2-D h only)
+FEATURE_POOL = "feature_pool"
 
 
 @dataclass(frozen=True)
@@ -242,6 +245,28 @@ def _softshrink(a, inplace):
     if not 0.0 <= lambd <= 65504.0:  # eager raises below 0, and above the largest value of the input's dtype
         raise NotFusible(f"softshrink's lambd={lambd!r} is outside [0, 65504], where eager may raise")
     return Canonical("softshrink", (a["input"],), {"lambd": lambd})
+
+
+@spelling("(input, kernel_size, stride=None, padding=0, ceil_mode=False, count_include_pad=True)",
+          functions=(torch.avg_pool1d,))  # F.avg_pool1d, and nn.AvgPool1d's forward
+def _avg_pool1d(a, inplace):
+    kernel = _pool_size(a["kernel_size"], "kernel_size")
+    stride = kernel if a["stride"] in (None, (), []) else _pool_size(a["stride"], "stride")
+    if stride != kernel:  # (windows that overlap or skip features: no mean of the weight's rows in groups)
+        raise NotFusible(f"avg_pool1d with stride {stride} and kernel_size {kernel}: only windows that tile the "
+                         "features fold into the GEMM")
+    if _pool_size(a["padding"], "padding", least=0) != 0 or a["ceil_mode"] is not False:
+        raise NotFusible("avg_pool1d with padding or ceil_mode: its edge windows average fewer features")
+    return Canonical(FEATURE_POOL, (a["input"],), {"kernel": kernel, "unsqueezed": False})
+
+
+def _pool_size(value, name: str, least: int = 1) -> int:
+    """A pool's size argument, an int or a one-item tuple or list of one, as avg_pool1d reads it."""
+    if isinstance(value, (tuple, list)) and len(value) == 1:
+        value = value[0]
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        raise NotFusible(f"avg_pool1d's {name}={value!r} is no int of {least} or more")
+    return value
 
 
 @spelling("(input, *, memory_format=None)", methods=("contiguous",))
@@ -1128,7 +1153,7 @@ _KNOWN_MODULES = (nn.Linear, nn.ReLU, nn.SiLU, nn.Mish, nn.Hardswish, nn.Hardsig
                   nn.Tanh, nn.Identity, nn.Hardtanh, nn.LeakyReLU, nn.RReLU, nn.ELU, nn.CELU, nn.GELU, nn.Softplus,
                   nn.Softmax, nn.LogSoftmax, nn.Dropout, nn.AlphaDropout, nn.FeatureAlphaDropout, nn.GroupNorm,
                   nn.LayerNorm, nn.BatchNorm1d, nn.InstanceNorm1d, nn.Threshold, nn.Hardshrink, nn.Softshrink,
-                  nn.LogSigmoid, nn.Softsign, nn.Tanhshrink, nn.PReLU,
+                  nn.LogSigmoid, nn.Softsign, nn.Tanhshrink, nn.PReLU, nn.AvgPool1d,
                   *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))
 
 
@@ -1199,6 +1224,9 @@ def _module_call(module: nn.Module, path: str):
     if kind in (nn.Dropout, nn.AlphaDropout, nn.FeatureAlphaDropout):
         fn = {nn.Dropout: F.dropout, nn.AlphaDropout: F.alpha_dropout, nn.FeatureAlphaDropout: F.feature_alpha_dropout}
         return fn[kind], (module.p, module.training), {}
+    if kind is nn.AvgPool1d:
+        return torch.avg_pool1d, (module.kernel_size, module.stride, module.padding, module.ceil_mode,
+                                  module.count_include_pad), {}
     if kind is nn.GroupNorm:
         return F.group_norm, (module.num_groups, T("weight"), T("bias"), module.eps), {}
     if kind is nn.LayerNorm:
@@ -1661,6 +1689,22 @@ def _refuse_inplace_on_other_views(graph: fx.Graph, canon: dict[fx.Node, Canonic
                 "another shape, which a fused program cannot express"))
 
 
+def _pools_of_unsqueezed_values(canon: dict) -> None:
+    """`h.unsqueeze(1)`, a feature pool of it, `.squeeze(1)`: one FEATURE_POOL of h (its record on the squeeze,
+    covering the other two), which holds for a 2-D h only (a 3-D one makes avg_pool1d raise)."""
+    for pool, c in list(canon.items()):
+        if c.op != FEATURE_POOL or c.problem or not isinstance(c.operands[0], fx.Node) or len(pool.users) != 1:
+            continue
+        squeeze_node = next(iter(pool.users))
+        unsqueezed, squeezed = shape_step(c.operands[0]), shape_step(squeeze_node)
+        if unsqueezed is None or unsqueezed[1] not in ((UNSQUEEZED, 1), (UNSQUEEZED, -2)) or \
+                len(c.operands[0].users) != 1 or squeezed is None or squeezed[1][1] not in ((1,), (-2,)):
+            continue
+        del canon[pool]
+        canon[squeeze_node] = Canonical(FEATURE_POOL, (unsqueezed[0],), {**c.attrs, "unsqueezed": True},
+                                        covers=(c.operands[0], pool))
+
+
 def canonicalize(gm: fx.GraphModule) -> dict[fx.Node, Canonical]:
     """Canonical records for every node of `gm` that spells a GEMM or an epilogue op; idioms included."""
     from .idioms import apply_idioms
@@ -1674,6 +1718,7 @@ def canonicalize(gm: fx.GraphModule) -> dict[fx.Node, Canonical]:
         canon = records()  # operands now name the redirected inputs
     _refuse_inplace_on_aliases(gm.graph, canon)
     _refuse_inplace_on_other_views(gm.graph, canon)
+    _pools_of_unsqueezed_values(canon)
     apply_idioms(gm, canon)
     for node, c in list(canon.items()):
         for covered in c.covers:

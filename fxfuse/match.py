@@ -23,8 +23,8 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .canonicalize import (COVERED, IDENTITY, LINEAR, PREVIOUS, Attr, Canonical, OperandOf, SizeExpression,
-                           augmented_assignment, has_call_hooks, signatures_of, surely_not_tensor)
+from .canonicalize import (COVERED, FEATURE_POOL, IDENTITY, LINEAR, PREVIOUS, Attr, Canonical, OperandOf,
+                           SizeExpression, augmented_assignment, has_call_hooks, signatures_of, surely_not_tensor)
 from .library import FUSED_OPS
 from .epilogue import EPILOGUE_OPS, NORM, POINTWISE, REDUCTION
 from .program import Instruction, Param, Program, Value
@@ -69,6 +69,11 @@ class Region:
     # alpha=2)` is `mul($0,2.0)` of y first), as (argument, the op's name): the program holds where each is a tensor of
     # the GEMM's dtype, which the rewritten graph checks before any op.
     scaled_arguments: tuple = ()
+    # avg_pool1d's kernel where the GEMM's output is average-pooled over its features first (FEATURE_POOL): the
+    # rewritten graph averages the weight's rows (and the bias) in groups of that many, and the program reads the
+    # pooled features. None: no pool.
+    pool: int | None = None
+    pooled_params: tuple = ()        # the params the program adds before the pool (biases): averaged as the weight
 
 
 class Boundary(str):
@@ -252,6 +257,9 @@ class _Growth:
         self.x_ranks_at_least: list[tuple[int, int]] = []  # (the member count before the op that needs it, the rank)
         # (the member count before an op that scales a forward argument of unknown dtype first, it, the op's name)
         self.scaled_arguments: list[tuple[int, fx.Node, str]] = []
+        # (a feature pool's kernel, the member count before it, and before it: the features, the values, and the
+        # params of the biases added to the GEMM's output, which the pool averages too)
+        self.pool: tuple[int, int, int, dict, tuple] | None = None
         self.instructions: list[Instruction] = []
         self.params: list[Any] = []
         self.misses: list[NearMiss] = []
@@ -259,8 +267,9 @@ class _Growth:
     # -- operands
 
     def param(self, obj) -> Param:
+        pooled = self.pool[4] if self.pool is not None else ()  # (a bias the pool averaged: its own param)
         for i, known in enumerate(self.params):
-            if known is obj or (isinstance(obj, Attr) and known == obj):
+            if (known is obj or (isinstance(obj, Attr) and known == obj)) and i not in pooled:
                 return Param(i)
         self.params.append(obj)
         return Param(len(self.params) - 1)
@@ -427,8 +436,13 @@ class _Growth:
         mutated = self.facts.resolve(c.inplace_of)
         if mutated is not None and mutated not in self.member_set:
             return f"in-place {describe(node)} mutates {describe(mutated)}, which is outside the region"
+        if c.op == FEATURE_POOL:
+            return self.admit_feature_pool(node, c)
         operands = []
         for operand in map(self.facts.resolve, c.operands):
+            if isinstance(operand, fx.Node) and operand in self.member_set and operand not in self.value:
+                return (f"{describe(node)} reads {describe(operand)}, of which the fused op computes no value (the "
+                        "GEMM's output before a pool that its weight took)")
             if isinstance(operand, fx.Node) and operand in self.value:
                 operands.append(Value(self.value[operand]))
             elif isinstance(operand, SizeExpression):
@@ -512,6 +526,58 @@ class _Growth:
         self.emit(node, c.op, operands, attrs, rank, reduced=reduces or all(v.index in self.reduced for v in values),
                   dropped=dropped, drops_dim=drops_dim, in_place=in_place, one_feature=one_feature)
         return None
+
+    def admit_feature_pool(self, node: fx.Node, c: Canonical) -> str | None:
+        """An average pool of the GEMM's output over its features, in windows that tile them: each window's mean of
+        the GEMM's columns is the GEMM of the weight's rows (and the bias's values) averaged over that window, which
+        the rewritten graph computes before the fused op (a GEMM `kernel` times smaller); the program then reads the
+        pooled features. The pool must come first: the program's values are of the pooled width."""
+        biases = self.bias_adds()
+        if self.value.get(self.facts.resolve(c.operands[0])) != len(self.instructions) or biases is None or \
+                self.pool is not None:
+            return (f"{describe(node)} pools a value the region computed: only the GEMM's own output, or it plus "
+                    "biases of its features, folds into its weight")
+        kernel = c.attrs["kernel"]
+        if kernel > self.features:
+            return f"{describe(node)}'s kernel_size {kernel} is more than the {self.features} features (eager raises)"
+        if self.dtype == torch.float16:
+            return (f"{describe(node)} in float16: a GEMM column may overflow where its window's mean, which the "
+                    "folded GEMM computes, does not")
+        rank = self.rank.get(0)
+        pooled_rank = None if rank is None else rank + c.attrs["unsqueezed"]
+        if pooled_rank not in (None, 2, 3):
+            return (f"{describe(node)} pools a {pooled_rank}-D value, where avg_pool1d takes 2-D or 3-D ones "
+                    "(eager raises)")
+        needed = 2 if c.attrs["unsqueezed"] or rank is None else rank  # (without example inputs: a 2-D x, checked)
+        problem = self.need_x_rank(node, needed, rank, 0)
+        if problem:
+            return problem
+        # (under autocast, the GEMM's dtype is checked at every call, as an idiom's)
+        self.dtypes.append(((torch.float32, torch.bfloat16), len(self.members), "avg_pool1d"))
+        # (the values so far are the pooled ones now: the GEMM's own output, and its sums with biases, are computed
+        # nowhere)
+        self.pool = (kernel, len(self.members), self.features, dict(self.value), biases)
+        self.features //= kernel
+        self.add_member(node, c)
+        self.value.clear()
+        self.value[node] = len(self.instructions)
+        return None
+
+    def bias_adds(self) -> tuple[int, ...] | None:
+        """The params of the program so far where each of its instructions adds a module tensor of the GEMM's
+        features, (N,), to the value before it (`x @ W.t() + b`): a pool of their sum is the sum of their pools, so
+        they pool with the weight (their param indices); None where another op came first."""
+        params = []
+        for index, instruction in enumerate(self.instructions):
+            operands = set(instruction.operands)
+            param = next((o for o in operands if isinstance(o, Param)), None)
+            tensor = None if param is None else self.facts.tensor(self.params[param.index])
+            if instruction.op.rstrip("_") != "add" or instruction.attrs or operands != {Value(index), param} or \
+                    module_tensor_path(self.params[param.index]) is None or tensor is None or \
+                    tuple(tensor.shape) != (self.features,):
+                return None
+            params.append(param.index)
+        return tuple(params)
 
     def emit_steps(self, node, steps, last_args, operands, at: int) -> tuple[list, str | None]:
         """Emit the steps before a canonical op computed as several (canonicalize.computed_as) on its resolved
@@ -853,6 +919,9 @@ class _Growth:
         self.out_writes = [entry for entry in self.out_writes if entry[0] < n_members]
         self.x_ranks_at_least = [entry for entry in self.x_ranks_at_least if entry[0] < n_members]
         self.scaled_arguments = [entry for entry in self.scaled_arguments if entry[0] < n_members]
+        if self.pool is not None and self.pool[1] >= n_members:
+            self.value = {node: index for node, index in self.pool[3].items() if node in self.member_set}
+            self.features, self.pool = self.pool[2], None
 
     # -- validity of the current prefix
 
@@ -861,7 +930,7 @@ class _Growth:
         return [(m, u) for m in self.members for u in m.users if u not in self.member_set]
 
     def output_if_valid(self) -> fx.Node | None:
-        if not self.instructions:
+        if not self.instructions and self.pool is None:  # (a pool alone: a GEMM that many times smaller)
             return None
         last = next(m for m in reversed(self.members) if m in self.value)
         leaving = {m for m, _ in self.escaping()}
@@ -1003,7 +1072,9 @@ def _region_of(growth: _Growth, snapshot: tuple, output: fx.Node) -> Region:
                   out_write=next(((op, n) for at, op, n in reversed(growth.out_writes) if at < n_members), None),
                   x_rank_at_least=max((rank for at, rank in growth.x_ranks_at_least if at < n_members), default=None),
                   scaled_arguments=tuple(dict.fromkeys((argument, op) for at, argument, op in growth.scaled_arguments
-                                                       if at < n_members)))
+                                                       if at < n_members)),
+                  pool=growth.pool[0] if growth.pool is not None and growth.pool[1] < n_members else None,
+                  pooled_params=growth.pool[4] if growth.pool is not None and growth.pool[1] < n_members else ())
 
 
 def _common_dtypes(each: list[tuple]) -> tuple | None:

@@ -15,6 +15,14 @@ class FusedRow:
     program: str         # the epilogue program (fxfuse.program)
     fused_node: str
     op: str = "gemm_epilogue"  # the fused op: gemm_epilogue, or gemm_epilogue_train in a training graph
+    pool: int | None = None    # an avg_pool1d over the features that the GEMM's weight took (its kernel), if any
+
+    def epilogue(self) -> str:
+        """The table's text of the epilogue: the program, after the pool folded into the GEMM."""
+        program = self.program.replace(";", "; ")
+        if self.pool is None:
+            return program
+        return f"[weight rows averaged by {self.pool}: avg_pool1d] {program}".rstrip()
 
 
 @dataclass
@@ -39,7 +47,7 @@ class Report:
         lines = [f"fxfuse: {len(self.fused)} fused region(s), {len(self.near_misses)} near miss(es)"]
         if self.fused:
             lines.append(_table(["#", "where", "replaced nodes", "epilogue program"],
-                                [[str(i), r.location, ", ".join(r.replaced), r.program.replace(";", "; ")]
+                                [[str(i), r.location, ", ".join(r.replaced), r.epilogue()]
                                  for i, r in enumerate(self.fused, 1)]))
             training = sum(r.op == "gemm_epilogue_train" for r in self.fused)
             if training:

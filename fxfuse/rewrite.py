@@ -416,6 +416,14 @@ def require_out_without_grad(x: torch.Tensor, op: str, tensors: list) -> None:
                            "one of the arguments requires grad.")
 
 
+def mean_of_row_groups(tensor: torch.Tensor, size: int) -> torch.Tensor:
+    """Called by rewritten graphs for a GEMM whose output is average-pooled over its features (match's feature pool):
+    the GEMM's (N, K) weight, or its (N,) bias, with each `size` consecutive rows averaged (a partial group at the end
+    dropped, as avg_pool1d drops a partial window). The mean accumulates in fp32 for 16-bit tensors."""
+    groups = tensor.shape[0] // size
+    return tensor[:groups * size].unflatten(0, (groups, size)).mean(1)
+
+
 def number_as_tensor(value, refused_by: tuple = (), reads: tuple = ()):
     """Called by rewritten graphs for a forward argument that the matcher took for a tensor (optimize()'s: a number
     may be passed where the example input was a tensor) or that it could not tell without example inputs: a number
@@ -474,7 +482,7 @@ FIRST_CHECKS = (require_traced_as_tensor, require_argument_rank, require_broadca
 # What a rewritten graph calls beside its fused ops.
 GRAPH_HELPERS = (require_tensor, require_param, require_eval_mode, require_settings, require_matrix, require_rank,
                  require_features, require_out_without_grad, require_rank_at_least, require_dtype, *FIRST_CHECKS,
-                 require_no_function_transform, number_as_tensor, augmented_assignment)
+                 require_no_function_transform, number_as_tensor, mean_of_row_groups, augmented_assignment)
 
 
 def _copy_meta(node: fx.Node, source: fx.Node, keys) -> None:
@@ -731,6 +739,12 @@ def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool,
                   if _maybe_number(p, shapes_guarded, following) else _tensor_node(graph, p)
                   for k, p in enumerate(region.params)]
         bias = _tensor_node(graph, region.bias)
+        if region.pool is not None:
+            weight = graph.call_function(mean_of_row_groups, (weight, region.pool))
+            if bias is not None:
+                bias = graph.call_function(mean_of_row_groups, (bias, region.pool))
+            for k in region.pooled_params:
+                params[k] = graph.call_function(mean_of_row_groups, (params[k], region.pool))
         if region.out_write is not None and not shapes_guarded:
             op, read = region.out_write
             graph.call_function(require_out_without_grad, (region.x, op, [weight, bias, *params[:read]]))
@@ -869,7 +883,7 @@ def fuse_graph(gm: fx.GraphModule, where: str = "", training: bool = False, shap
             following[fused] = following[region.output]
         logger.info("fused %s at %s: %s", ", ".join(replaced), location, region.program)
         report.fused.append(FusedRow(f"{location} ({anchor.name})", replaced, str(region.program), fused.name,
-                                     "gemm_epilogue_train" if training else "gemm_epilogue"))
+                                     "gemm_epilogue_train" if training else "gemm_epilogue", region.pool))
     for node, c in canon.items():
         if c.op == LINEAR and c.problem and node in facts.position:
             report.near_misses.append(MissRow(prefix + location_of(node), node.name, c.problem))

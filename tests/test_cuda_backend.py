@@ -135,6 +135,11 @@ def _row_norms(m, x):
     return torch.linalg.vector_norm(torch.relu(m.fc(x)), dim=1, keepdim=True)
 
 
+def _avg_pool_gelu_scale_max(m, x):  # Matmul_AvgPool_GELU_Scale_Max: the pool folds into the GEMM's weight
+    h = torch.nn.functional.avg_pool1d(m.fc(x).unsqueeze(1), kernel_size=4).squeeze(1)
+    return torch.max(torch.nn.functional.gelu(h) * 2.0, dim=1).values
+
+
 class _Chain(torch.nn.Module):
     def __init__(self, chain):
         super().__init__()
@@ -146,7 +151,8 @@ class _Chain(torch.nn.Module):
 
 @pytest.mark.parametrize("precision", sorted(DTYPES))
 @pytest.mark.parametrize("chain", [_max_minus_mean_gelu, _sum_max_mean_logsumexp_twice, _scaled_plus_detached,
-                                   _standardized_by_std, _normalized_embedding, _row_norms])
+                                   _standardized_by_std, _normalized_embedding, _row_norms,
+                                   _avg_pool_gelu_scale_max])
 def test_kernelbench_chains_fuse_whole_and_train(chain, precision):
     dtype = DTYPES[precision]
     model = _Chain(chain).to("cuda", dtype)

@@ -1,0 +1,187 @@
+"""An average pool over a GEMM's output features folds into the GEMM: its weight's rows (and its bias) are averaged
+in the pool's windows before the fused op, whose GEMM is then that many times smaller.
+
+Each spelling of avg_pool1d over the features (the module, F.avg_pool1d, torch.avg_pool1d, on the 2-D output or
+between `unsqueeze(1)` and `squeeze(1)` as KernelBench writes it) fuses with the ops after it, matches eager in each
+dtype and trains with eager's gradients; pools that are no mean of whole windows of the features do not fold.
+"""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxfuse
+from epilogue_models import BATCH, IN, OUT, GemmThen, assert_reason, assert_whole_chain_fused, fused_programs
+from fxfuse.testing import assert_close_report, assert_gradients_match, fused_op_count
+
+
+def pool_module(m, x, y):
+    return m.pool(m.fc(x).unsqueeze(1)).squeeze(1).relu()
+
+
+def pool_module_on_rows(m, x, y):  # avg_pool1d reads a 2-D value as (channels, length): it pools the features
+    return torch.tanh(m.pool(m.fc(x)))
+
+
+def pool_functional(m, x, y):
+    return F.gelu(F.avg_pool1d(m.fc(x).unsqueeze(-2), 3).squeeze(-2))
+
+
+def pool_keywords(m, x, y):
+    return torch.avg_pool1d(m.fc(x), kernel_size=(4,), stride=4, padding=0, ceil_mode=False) * 2.0
+
+
+def pool_positional(m, x, y):
+    return F.avg_pool1d(m.fc(x), 2, 2, 0, False, False).sigmoid()
+
+
+def pool_then_max(m, x, y):  # KernelBench's Matmul_AvgPool_GELU_Scale_Max
+    h = m.pool(m.fc(x).unsqueeze(1)).squeeze(1)
+    return torch.max(F.gelu(h) * 2.0, dim=1).values
+
+
+def pool_alone(m, x, y):
+    return m.pool(m.fc(x).unsqueeze(1)).squeeze(1)
+
+
+def pool_of_matmul_plus_bias(m, x, y):  # the bias, added first, is averaged as the weight
+    return F.avg_pool1d(x @ m.fc.weight.t() + m.fc.bias, 4).relu()
+
+
+def pool_of_addmm(m, x, y):
+    return torch.tanh(F.avg_pool1d(torch.addmm(m.fc.bias, x, m.fc.weight.t()), 4))
+
+
+def pool_of_two_biases(m, x, y):
+    return m.pool(m.fc(x) + m.shift).relu()
+
+
+# spelling -> its kernel (the model's nn.AvgPool1d has 4)
+SPELLINGS = {pool_module: 4, pool_module_on_rows: 4, pool_functional: 3, pool_keywords: 4, pool_positional: 2,
+             pool_then_max: 4, pool_alone: 4, pool_of_matmul_plus_bias: 4, pool_of_addmm: 4, pool_of_two_biases: 4}
+
+
+def pooled(epilogue, kernel=4, out_features=OUT, bias=True):
+    return GemmThen(epilogue, out_features=out_features, bias=bias, pool=nn.AvgPool1d(kernel),
+                    shift=nn.Parameter(torch.randn(out_features))).eval()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("epilogue", SPELLINGS, ids=lambda f: f.__name__)
+def test_each_spelling_folds_into_the_gemm(epilogue, dtype):
+    model = pooled(epilogue).to(dtype)
+    x = torch.randn(BATCH, IN, dtype=dtype)
+    optimized = assert_whole_chain_fused(model, [x])
+    (row,) = optimized.fxfuse_report.fused
+    assert row.pool == SPELLINGS[epilogue]
+    assert f"weight rows averaged by {row.pool}" in str(optimized.fxfuse_report)
+
+
+@pytest.mark.parametrize("out_features", [OUT, 41, 7, 3])
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_partial_last_window_is_dropped_as_eager_drops_it(out_features, bias):
+    model = pooled(pool_module, kernel=3, out_features=out_features, bias=bias)
+    optimized = assert_whole_chain_fused(model, [torch.randn(5, IN)], example_inputs=False)
+    assert optimized(torch.randn(1, IN)).shape == (1, out_features // 3)
+
+
+def test_three_dims_pool_the_features_and_a_call_of_other_ranks_runs_the_model():
+    model = pooled(pool_module_on_rows)
+    x3 = torch.randn(2, BATCH, IN)
+    assert_whole_chain_fused(model, [x3])  # with a 3-D example: the program holds for 3-D inputs
+    optimized = fxfuse.optimize(model)  # without: for 2-D ones, checked first
+    with torch.no_grad():
+        for x in (torch.randn(BATCH, IN), x3):
+            assert_close_report(optimized(x), model(x))
+        with pytest.raises(RuntimeError) as eager:
+            model(torch.randn(2, 2, BATCH, IN))
+        with pytest.raises(type(eager.value)) as fused:
+            optimized(torch.randn(2, 2, BATCH, IN))
+        assert str(fused.value) == str(eager.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("epilogue", [pool_then_max, pool_module, pool_alone], ids=lambda f: f.__name__)
+def test_gradients_reach_the_weight_through_the_pool(epilogue, dtype):
+    model = pooled(epilogue).to(dtype).train()
+    optimized = fxfuse.optimize(model)
+    assert fused_op_count(optimized) == 1
+    assert_gradients_match(model, optimized, [torch.randn(BATCH, IN, dtype=dtype)])
+
+
+def test_the_backend_folds_it_too():
+    model = pooled(pool_then_max)
+    backend = fxfuse.make_backend("eager")
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(BATCH, IN)
+    with torch.no_grad():
+        assert_close_report(compiled(x), model(x))
+    assert [row.pool for report in backend.reports for row in report.fused] == [4]
+
+
+@pytest.mark.parametrize("epilogue, reason", [
+    (lambda m, x, y: F.avg_pool1d(m.fc(x), 2, stride=1), "only windows that tile the features"),
+    (lambda m, x, y: F.avg_pool1d(m.fc(x), 2, padding=1), "padding or ceil_mode"),
+    (lambda m, x, y: F.avg_pool1d(m.fc(x), 3, ceil_mode=True), "padding or ceil_mode"),
+    (lambda m, x, y: F.avg_pool1d(m.fc(x).relu(), 2), "only the GEMM's own output"),
+    (lambda m, x, y: F.avg_pool1d(m.fc(x) + m.fc.bias[None], 2), "only the GEMM's own output"),  # (1, N)
+    (lambda m, x, y: F.avg_pool1d(m.fc(x) + y, 2), "only the GEMM's own output"),  # a forward argument's
+], ids=["overlapping", "padding", "ceil_mode", "after_an_op", "bias_of_two_dims", "argument_bias"])
+def test_pools_that_are_no_mean_of_whole_windows_do_not_fold(epilogue, reason):
+    model = GemmThen(epilogue).eval()
+    x, y = torch.randn(BATCH, IN), torch.randn(OUT)
+    optimized = fxfuse.optimize(model, [x, y])
+    assert_reason(optimized, reason)
+    assert all("avg_pool1d" not in name for row in optimized.fxfuse_report.fused for name in row.replaced)
+    with torch.no_grad():
+        assert_close_report(optimized(x, y), model(x, y))
+
+
+def test_a_bias_read_again_after_the_pool_is_not_the_averaged_one():
+    """`pool(h + b) + b`: the first b is averaged with the weight, the second keeps its features, which eager
+    broadcasts with the pooled ones (here: N // 4 = 1 feature) or raises for."""
+    model = pooled(lambda m, x, y: F.avg_pool1d(m.fc(x) + m.shift, 4) + m.shift, out_features=4)
+    x = torch.randn(BATCH, IN)
+    optimized = fxfuse.optimize(model, [x])
+    with torch.no_grad():
+        assert_close_report(optimized(x), model(x))
+    wider = pooled(lambda m, x, y: F.avg_pool1d(m.fc(x) + m.shift, 4) + m.shift)
+    with pytest.raises(RuntimeError) as eager, torch.no_grad():
+        wider(x)
+    with pytest.raises(type(eager.value)), torch.no_grad():
+        fxfuse.optimize(wider, [x])(x)
+
+
+def test_the_gemm_output_read_beside_its_pool_does_not_fold():
+    """The pooled GEMM computes no unpooled output: `h.sum()` beside `pool(h)` read the pooled value as the GEMM's
+    (a silent wrong result)."""
+    def pool_and_sum(m, x, y):
+        h = m.fc(x)
+        return F.avg_pool1d(h, 4).sum(-1, keepdim=True) + h.sum(-1, keepdim=True)
+
+    model = GemmThen(pool_and_sum).eval()
+    x = torch.randn(BATCH, IN)
+    optimized = fxfuse.optimize(model, [x])
+    assert_reason(optimized, "of which the fused op computes no value")
+    with torch.no_grad():
+        assert_close_report(optimized(x), model(x))
+
+
+def test_float16_does_not_fold():
+    """A GEMM column may overflow float16 where its window's mean does not: the folded GEMM would differ."""
+    model = pooled(pool_module).half()
+    optimized = fxfuse.optimize(model)
+    assert fused_programs(optimized) == []
+    assert_reason(optimized, "in float16")
+
+
+def test_an_unsqueezed_pool_of_three_dims_raises_as_eager():
+    model = pooled(pool_module)
+    x = torch.randn(2, BATCH, IN)
+    with pytest.raises(RuntimeError) as eager, torch.no_grad():
+        model(x)
+    optimized = fxfuse.optimize(model)
+    assert fused_op_count(optimized) == 1
+    with pytest.raises(type(eager.value)) as fused, torch.no_grad():
+        optimized(x)
+    assert str(fused.value) == str(eager.value)
