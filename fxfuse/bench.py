@@ -194,12 +194,13 @@ def epilogue_kernel_us(fn: Callable, inputs: list, calls: int = 10, kernels: tup
     return total / calls
 
 
-def epilogue_bytes(model: nn.Module, inputs: list, out: torch.Tensor) -> int:
-    """Fewest bytes the epilogue moves: the GEMM output read once, the result written once."""
+def epilogue_bytes(model: nn.Module, inputs: list, out: torch.Tensor, pool: int | None = None) -> int:
+    """Fewest bytes the epilogue moves: the GEMM output read once (of out_features // pool features where a pool
+    folded into the GEMM), the result written once."""
     linear = first_linear(model)
     rows = inputs[0].numel() // inputs[0].shape[-1]
     element = out.element_size()
-    return rows * linear.out_features * element + out.numel() * element
+    return rows * (linear.out_features // (pool or 1)) * element + out.numel() * element
 
 
 def bench_file(path, runs: int, bandwidth: float, rounds: int = 5) -> list[dict]:
@@ -222,7 +223,8 @@ def bench_file(path, runs: int, bandwidth: float, rounds: int = 5) -> list[dict]
         with torch.no_grad():
             out = fused(*input_sets[0])
         row["epilogue_us"] = epilogue_kernel_us(fused, input_sets[0])
-        row["floor_us"] = epilogue_bytes(model, input_sets[0], out) / (bandwidth * 1e9) * 1e6
+        pool = fused.fxfuse_report.fused[0].pool if fused.fxfuse_report.fused else None
+        row["floor_us"] = epilogue_bytes(model, input_sets[0], out, pool) / (bandwidth * 1e9) * 1e6
         rows.append(row)
         print(format_row(row), flush=True)
         if precision in TRAINING_PRECISIONS:
