@@ -204,20 +204,29 @@ def _watching_mode_switches():
 def _watching_autograd_functions():
     """Collects the autograd.Functions a forward applies while fx traces it. The trace runs a Function's forward on
     proxies and records its ops as plain ones: the graph would train with autograd's gradients of those ops, not
-    the Function's own backward. `Function.apply` is wrapped for the trace's duration (a call from another thread
-    meanwhile counts too: the model is then tried child by child, which is never wrong)."""
+    the Function's own backward. Each application makes a context, an instance of the Function's backward class
+    (a BackwardCFunction), whose `__init__` is wrapped for the trace's duration: that also sees `Function.apply`
+    bound before the trace (`grad_reverse = GradReverse.apply`). A call from another thread meanwhile counts too:
+    the model is then tried child by child, which is never wrong."""
     applied: list[str] = []
-    original = vars(torch.autograd.Function)["apply"]
+    contexts = torch.autograd.function.BackwardCFunction
+    own_init = vars(contexts).get("__init__")
 
-    def apply(cls, *args, **kwargs):
-        applied.append(cls.__name__)
-        return original.__get__(None, cls)(*args, **kwargs)
+    def __init__(ctx, *args, **kwargs):
+        applied.append(type(ctx)._forward_cls.__name__)
+        if own_init is not None:
+            own_init(ctx, *args, **kwargs)
+        else:
+            super(contexts, ctx).__init__(*args, **kwargs)
 
-    torch.autograd.Function.apply = classmethod(apply)
+    contexts.__init__ = __init__
     try:
         yield applied
     finally:
-        torch.autograd.Function.apply = original
+        if own_init is not None:
+            contexts.__init__ = own_init
+        else:
+            del contexts.__init__
 
 
 def _none_defaults(model: nn.Module, given: int | None) -> dict[str, None]:

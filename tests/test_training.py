@@ -574,6 +574,30 @@ def test_optimize_leaves_a_forward_that_calls_an_autograd_function_to_its_childr
     assert "autograd.Function _ClampGradient" in skipped.reason, skipped.reason
 
 
+_clamp_gradient = _ClampGradient.apply  # an alias made before any trace, as `grad_reverse = GradReverse.apply` is
+
+
+class LinearThroughAnAliasedAutogradFunction(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(6, 8)
+
+    def forward(self, x):
+        return _clamp_gradient(torch.relu(self.linear(x) * 2.0))
+
+
+@pytest.mark.parametrize("with_inputs", [True, False])
+def test_optimize_leaves_a_forward_that_calls_an_alias_of_an_autograd_function_to_its_children(with_inputs):
+    """`Function.apply` bound before the trace (a module-level alias) was not seen: the optimized model trained
+    without the Function's backward (a silent wrong gradient)."""
+    torch.manual_seed(0)
+    model, x = LinearThroughAnAliasedAutogradFunction().train(), torch.randn(5, 6, requires_grad=True)
+    optimized = fxfuse.optimize(model, (x,) if with_inputs else None)
+    assert_gradients_match(model, optimized, [x], rtol=1e-5, atol=1e-6)
+    (skipped,) = optimized.fxfuse_report.skipped
+    assert "autograd.Function _ClampGradient" in skipped.reason, skipped.reason
+
+
 @pytest.mark.usefixtures("fresh_dynamo")
 def test_a_compiled_forward_that_calls_an_autograd_function_fuses_and_keeps_its_backward():
     torch.manual_seed(0)
