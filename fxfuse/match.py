@@ -631,8 +631,12 @@ class _Growth:
 
     def param_may_be_wider_than_one_feature(self, index: int) -> bool:
         """Whether param `index` may broadcast a value of one feature to more: its shape is not known, or its last
-        dim is not 1."""
-        tensor = self.facts.tensor(self.params[index])
+        dim is not 1, or it is the caller's (a forward argument, or made of one), whose example shape a later call
+        need not keep (Dynamo's guards keep it)."""
+        param = self.params[index]
+        if not self.facts.inputs_guarded and _reads_input(param):
+            return True
+        tensor = self.facts.tensor(param)
         return tensor is None or (tensor.dim() > 0 and tensor.shape[-1] != 1)
 
     def over_one_feature(self, c: Canonical, spec, index: int):

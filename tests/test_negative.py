@@ -223,6 +223,21 @@ def test_a_reduced_value_broadcast_back_to_full_rows_is_not_one_feature(epilogue
     torch.testing.assert_close(optimized(*inputs), model(*inputs))
 
 
+@pytest.mark.parametrize("epilogue", [
+    lambda m, x, y: (m.fc(x).sum(-1, keepdim=True) + y).softmax(-1),
+    lambda m, x, y: (lambda r: r - r.mean(-1, keepdim=True))(m.fc(x).amax(-1, keepdim=True) * y),
+], ids=["softmax", "minus-its-mean"])
+def test_a_reduced_value_beside_a_forward_argument_of_one_feature_in_the_example_inputs_is_not_one_feature(epilogue):
+    """The example y of one column proved the value one feature wide for that y only: a later y of more columns
+    widens it, and the pointwise steps that stand for softmax or mean over one value gave other values than eager's
+    (a silent wrong result)."""
+    model = GemmThen(epilogue).eval()
+    optimized = fxfuse.optimize(model, (rows(), torch.randn(BATCH, 1)))
+    assert_reason(optimized, "works on an already reduced value")
+    x, wider = rows(), torch.randn(BATCH, 5)
+    assert_close_report(optimized(x, wider), model(x, wider))
+
+
 @pytest.mark.parametrize("epilogue", [lambda m, x, y: torch.relu(m.fc(x)).detach(),
                                       lambda m, x, y: m.fc(x).detach() * 2 + m.shift],
                          ids=["detached-result", "detached-then-a-param"])
@@ -3202,6 +3217,20 @@ def test_a_normalized_shape_of_one_feature_after_a_broadcast_to_more_raises_as_e
     for candidate in (model, optimized):
         with pytest.raises(RuntimeError, match="normalized_shape"):
             candidate(x)
+
+
+@pytest.mark.parametrize("norm", [lambda h: F.layer_norm(h, (1,)), lambda h: F.rms_norm(h, [1])],
+                         ids=["layer_norm", "rms_norm"])
+def test_a_normalized_shape_of_one_feature_after_a_forward_argument_of_one_in_the_example_inputs_raises_as_eager(norm):
+    """A forward argument of one column in the example inputs may have more at a later call (`fc(x) + y` of a
+    Linear(k, 1)): eager then raises for the normalized_shape (1,), where the fused op normalized the wider rows."""
+    model = GemmThen(lambda m, x, y: norm(m.fc(x) + y), out_features=1).eval()
+    optimized = fxfuse.optimize(model, (rows(), torch.randn(BATCH, 1)))
+    assert_reason(optimized, "may have more features after a broadcast")
+    x, wider = rows(), torch.randn(BATCH, 5)
+    for candidate in (model, optimized):
+        with pytest.raises(RuntimeError, match="normalized_shape"):
+            candidate(x, wider)
 
 
 def test_a_normalized_shape_of_one_feature_after_a_broadcast_of_one_fuses():
