@@ -66,8 +66,9 @@ class Region:
     # value's rank is unknown: the rewritten graph checks it at every call. None: any.
     x_rank_at_least: int | None = None
     # Forward arguments of unknown dtype that an op scales before it reads the region's value (`torch.sub(h, y,
-    # alpha=2)` is `mul($0,2.0)` of y first), as (argument, the op's name): the program holds where each is a tensor of
-    # the GEMM's dtype, which the rewritten graph checks before any op.
+    # alpha=2)` is `mul($0,2.0)` of y first), and a forward argument that is addmm's input (eager's addmm takes a
+    # tensor of its matrices' dtype there, and promotes none), as (argument, the GEMM's dtype, what it is to its op):
+    # the program holds where each is a tensor of that dtype, which the rewritten graph checks before any op.
     scaled_arguments: tuple = ()
     # avg_pool1d's kernel where the GEMM's output is average-pooled over its features first (FEATURE_POOL): the
     # rewritten graph averages the weight's rows (and the bias) in groups of that many, and the program reads the
@@ -255,8 +256,9 @@ class _Growth:
         self.feature_reads: list[int] = []  # the member count before each op that reads a number of the features
         self.out_writes: list[tuple[int, str, int]] = []  # (the member count before an out= op, its op, params so far)
         self.x_ranks_at_least: list[tuple[int, int]] = []  # (the member count before the op that needs it, the rank)
-        # (the member count before an op that scales a forward argument of unknown dtype first, it, the op's name)
-        self.scaled_arguments: list[tuple[int, fx.Node, str]] = []
+        # (the member count before the op that reads a forward argument that must be a tensor of a dtype, it, the
+        # dtype, what it is to that op): one an op scales first, addmm's input
+        self.scaled_arguments: list[tuple[int, fx.Node, torch.dtype, str]] = []
         # (a feature pool's kernel, the member count before it, and before it: the features, the values, and the
         # params of the biases added to the GEMM's output, which the pool averages too)
         self.pool: tuple[int, int, int, dict, tuple] | None = None
@@ -365,6 +367,13 @@ class _Growth:
             problem = self.outside_operand_problem(addmm_bias, self.dtype)
             if problem:
                 return problem
+            if not self.facts.inputs_guarded and isinstance(addmm_bias, fx.Node) and _reads_input(addmm_bias):
+                # eager's addmm takes a tensor of its matrices' dtype there, and promotes none: a later call's None,
+                # number or other dtype raises, where the fused op took None for no bias and added another dtype
+                if addmm_bias.op != "placeholder":
+                    return (f"addmm's input {describe(addmm_bias)} is made of forward arguments, whose dtype may "
+                            "differ at a later call, where eager's addmm raises (it promotes none)")
+                self.scaled_arguments.append((0, addmm_bias, self.dtype, f"`{addmm_bias.target}`, addmm's input"))
             bias_tensor = self.facts.tensor(addmm_bias)
             if bias_tensor is not None and bias_tensor.dim() > 2:
                 return (f"addmm's input {describe(addmm_bias)} has {bias_tensor.dim()} dims, not 2 or less "
@@ -609,7 +618,9 @@ class _Growth:
                             "it reads the region's value: eager's dtype and errors for an integer one would differ, and "
                             "only a forward argument's dtype is checked before any op (pass example inputs)")
             if not values:
-                self.scaled_arguments.extend((at, p, node.name) for p in unknown)
+                self.scaled_arguments.extend(
+                    (at, p, self.dtype, f"`{p.target}`, which `{node.name}` scales before it reads the GEMM's value")
+                    for p in unknown)
             self.emit(node, op, step, (), self.result_rank(step),
                       reduced=bool(values) and all(v.index in self.reduced for v in values),
                       dropped=bool(values) and all(v.index in self.dropped for v in values))
@@ -1075,7 +1086,8 @@ def _region_of(growth: _Growth, snapshot: tuple, output: fx.Node) -> Region:
                   reads_features=any(at < n_members for at in growth.feature_reads),
                   out_write=next(((op, n) for at, op, n in reversed(growth.out_writes) if at < n_members), None),
                   x_rank_at_least=max((rank for at, rank in growth.x_ranks_at_least if at < n_members), default=None),
-                  scaled_arguments=tuple(dict.fromkeys((argument, op) for at, argument, op in growth.scaled_arguments
+                  scaled_arguments=tuple(dict.fromkeys((argument, dtype, what)
+                                                       for at, argument, dtype, what in growth.scaled_arguments
                                                        if at < n_members)),
                   pool=growth.pool[0] if growth.pool is not None and growth.pool[1] < n_members else None,
                   pooled_params=growth.pool[4] if growth.pool is not None and growth.pool[1] < n_members else ())

@@ -720,12 +720,12 @@ def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool,
                 _check_first(graph, position, require_argument_dtype, dtype_args)
             else:
                 graph.call_function(require_dtype, dtype_args)
-        # A forward argument that an op scales before it reads the region's value: in the GEMM's dtype, checked first.
-        if region.scaled_arguments and not shapes_guarded:
-            dtype = str(module_tensor(gm, module_tensor_path(region.weight)).dtype).removeprefix("torch.")
-            for argument, op in region.scaled_arguments:
-                what = f"`{argument.target}`, which `{op}` scales before it reads the GEMM's value"
-                _check_first(graph, position, require_argument_dtype, (argument, (dtype,), what, True))
+        # A forward argument that an op scales before it reads the region's value, or addmm's input: a tensor in the
+        # GEMM's dtype, checked first.
+        if not shapes_guarded:
+            for argument, dtype, what in region.scaled_arguments:
+                dtypes = (str(dtype).removeprefix("torch."),)
+                _check_first(graph, position, require_argument_dtype, (argument, dtypes, what, True))
         weight = _tensor_node(graph, region.weight)
         if region.reads_features and not shapes_guarded:
             path, dim = module_tensor_path(region.weight), 1 if region.transpose_weight else 0

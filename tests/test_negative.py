@@ -3341,6 +3341,33 @@ def test_mm_and_addmm_of_no_matrix_raise_eagers_own_error(gemm, bad, shapes):
     assert _first_line_of_error(lambda: optimized(bad)) == _first_line_of_error(lambda: model(bad))
 
 
+class AddmmOfAnArgument(nn.Module):
+    """`relu(addmm(y, x, W.t()))`, whose input y is a forward argument."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(IN, OUT)
+
+    def forward(self, x, y):
+        return torch.relu(torch.addmm(y, x, self.fc.weight.t()))
+
+
+@pytest.mark.parametrize("bad", [None, 2.5, torch.randn(OUT, dtype=torch.float64), torch.randn(BATCH, OUT).half()],
+                         ids=["None", "a-number", "float64", "float16"])
+@pytest.mark.parametrize("example", [torch.randn(OUT), torch.randn(BATCH, OUT), None],
+                         ids=["a-bias-in-the-example-inputs", "rows-in-the-example-inputs", "no-example-inputs"])
+def test_addmm_of_a_forward_argument_eager_refuses_raises_eagers_error(bad, example):
+    """addmm takes a tensor of its matrices' dtype as its input, and promotes none: the fused op ran where eager
+    raises, without a bias for None (taken for the GEMM's own bias), or adding a float64 or float16 one (and its
+    schema raised its own error for a number)."""
+    model = AddmmOfAnArgument().eval()
+    optimized = fxfuse.optimize(model, None if example is None else (rows(), example))
+    assert fused_op_count(optimized) == 1
+    x, y = rows(), torch.randn(OUT) if example is None else example
+    assert _first_line_of_error(lambda: optimized(x, bad)) == _first_line_of_error(lambda: model(x, bad))
+    assert_close_report(optimized(x, y), model(x, y))
+
+
 @pytest.mark.parametrize("reduce", [lambda h: h.max(), lambda h: torch.min(h)], ids=["h.max()", "torch.min(h)"])
 def test_max_or_min_without_a_dim_says_it_reduces_the_whole_tensor(reduce):
     """explain() said "max/min over a dim is fused through its `.values` or `[0]`" for `h.max()`, which has no dim
