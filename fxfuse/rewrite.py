@@ -464,16 +464,26 @@ def _taking_no_number(program, param: int) -> tuple:
     return tuple(uses)
 
 
-def _maybe_number(node, shapes_guarded: bool, following: dict) -> bool:
+def _maybe_number(node, shapes_guarded: bool, following: dict, gm: fx.GraphModule) -> bool:
     """A graph input that may be a number at a call: of unknown type (no example inputs, no annotation or default
     that says it is no tensor), or any forward argument of optimize()'s graphs (an example input that was a tensor
-    says nothing of a later call's; Dynamo guards the types of its graph's inputs); or, without example inputs, what
-    pointwise ops make of such inputs (`y * 2` of a number y is one: `following`, but modules' results)."""
+    says nothing of a later call's; Dynamo guards the types of its graph's inputs); or what pointwise ops make of
+    such inputs (`y * 2` of a number y is one: `following`), but modules' results other than nn.Identity's (which
+    returns what it is given: `self.skip(y)`)."""
     known = ("val", "example_value", "tensor_meta")
     if isinstance(node, fx.Node) and node.op not in ("placeholder", "call_module") and node in following:
         return True
+    if _identity_of_arguments(node, following, gm):
+        return True
     return isinstance(node, fx.Node) and node.op == "placeholder" and \
         (not shapes_guarded or not any(k in node.meta for k in known))
+
+
+def _identity_of_arguments(node, following: dict, gm: fx.GraphModule) -> bool:
+    """Whether `node` calls an nn.Identity on what is made of forward arguments (`self.skip(y)`): it returns what it
+    is given, which may be a number or None at a call, as the argument may."""
+    return isinstance(node, fx.Node) and node.op == "call_module" and node in following and \
+        isinstance(gm.get_submodule(node.target), nn.Identity)
 
 
 # The checks optimize()'s graphs run before any op: where one fails, the optimized model runs its model's forward.
@@ -682,11 +692,12 @@ def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool,
         if not shapes_guarded:
             for argument in dict.fromkeys(a for p in region.params if p in following for a in following[p][0]):
                 _check_first(graph, position, require_tensor_or_number, (argument, argument.target))
-        # A param the fused op reads of no folded module (whose require_settings checks it), or a forward argument:
-        # None there reached the op's Tensor[] params, where eager's op raises (or computes without it).
+        # A param the fused op reads of no folded module (whose require_settings checks it), or a forward argument
+        # (or nn.Identity's of one): None there reached the op's Tensor[] params, where eager's op raises (or computes
+        # without it).
         for p in region.params:
-            if not isinstance(p, fx.Node) or not ((p.op == "placeholder" and not shapes_guarded) or
-                                                  (p.op == "get_attr" and p.target not in checked)):
+            argument = not shapes_guarded and (_is_argument(p) or _identity_of_arguments(p, following, gm))
+            if not isinstance(p, fx.Node) or not (argument or (p.op == "get_attr" and p.target not in checked)):
                 continue
             reader = next((m for m in region.members if p in m.all_input_nodes), None)
             op, args, kwargs = _param_read(reader, p) if reader is not None else (None, (), {})
@@ -736,7 +747,7 @@ def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool,
         params = [graph.call_function(number_as_tensor, (p, _taking_no_number(region.program, k),
                                                          tuple(_param_read(m, p) for m in region.members
                                                                if p in m.all_input_nodes)))
-                  if _maybe_number(p, shapes_guarded, following) else _tensor_node(graph, p)
+                  if _maybe_number(p, shapes_guarded, following, gm) else _tensor_node(graph, p)
                   for k, p in enumerate(region.params)]
         bias = _tensor_node(graph, region.bias)
         if region.pool is not None:

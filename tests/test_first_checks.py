@@ -288,6 +288,18 @@ def test_an_operand_made_of_forward_arguments_of_other_ranks_types_or_dtypes_giv
         _eager_or_its_error(model, optimized, *inputs)
 
 
+@pytest.mark.parametrize("example_inputs", [False, True], ids=["no-example-inputs", "example-inputs"])
+def test_a_number_that_an_identity_module_passes_on_gives_eagers_result(example_inputs):
+    """nn.Identity returns what it is given, a number too (`h + self.skip(y)` of a float y): the fused op got the
+    number itself as a param, and its schema raised where eager adds it (and its own error for None)."""
+    model = GemmThen(lambda m, x, y: torch.relu(m.fc(x) + m.skip(y)), skip=nn.Identity()).eval()
+    inputs = (torch.randn(5, IN), torch.randn(OUT))
+    optimized = fxfuse.optimize(model, inputs if example_inputs else None)
+    assert fused_op_count(optimized) == 1
+    for y in (2.5, 3, torch.randn(OUT), torch.tensor(2.5, dtype=torch.float64), None):
+        _eager_or_its_error(model, optimized, torch.randn(5, IN), y)
+
+
 @pytest.mark.parametrize("forward", [
     lambda m, x, y: torch.relu(m.fc(x)) + y.squeeze(0),
     lambda m, x, y: torch.relu(m.fc(x)) + (y * 2).squeeze(0),
