@@ -841,12 +841,28 @@ class _Growth:
                 (x_rank is None and self.min_rank.get(index, 2) > 2):
             return (f"{describe(node)} depends on its value's rank, which a param of more dims than the GEMM's "
                     "input set")
+        if rank is None and self.may_outrank_x(index):
+            return (f"{describe(node)} depends on its value's rank, which an outside tensor of a rank not known may "
+                    "make more than the GEMM input's (pass example inputs)")
         if self.x_rank is not None and self.x_rank[0] != needed:
             return (f"{describe(node)} holds for {needed}-D inputs, an earlier op of the region for "
                     f"{self.x_rank[0]}-D ones")
         if self.x_rank is None:
             self.x_rank = (needed, len(self.members))
         return None
+
+    def may_outrank_x(self, index: int) -> bool:
+        """Whether value `index` may have more dims than x: an outside tensor of a rank not known (a forward argument
+        without example inputs) broadcast into it, or into a value it is made of."""
+        outranking: set[int] = set()
+        for value, instruction in enumerate(self.instructions[:index], start=1):
+            for operand in instruction.operands:
+                if isinstance(operand, Value) and operand.index in outranking:
+                    outranking.add(value)
+                elif isinstance(operand, Param) and self.params[operand.index] is not self.x and \
+                        self.facts.rank(self.params[operand.index]) is None:
+                    outranking.add(value)
+        return index in outranking
 
     def may_have_more_features(self, index: int) -> bool:
         """Whether value `index` may have more than the GEMM's features in its last dim: a GEMM of one feature

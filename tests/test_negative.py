@@ -2569,6 +2569,18 @@ def test_an_op_over_a_dim_of_a_value_a_param_made_bigger_is_not_guarded_on_x():
         assert_close_report(optimized(x), model(x))
 
 
+def test_an_op_over_a_dim_of_a_value_a_forward_argument_may_make_bigger_is_not_fused_without_example_inputs():
+    """amax(1, keepdim=True) after amax(-1, keepdim=True) of max(fc(x), y), without example inputs: taken for an op
+    over the features (one value, so dropped) of a value of x's rank, guarded by x's rank alone, where a 3-D y makes
+    it 3-D and dim 1 a batch dim: the result kept that dim's size (3, 3, 1) where eager's is (3, 1, 1)."""
+    model = GemmThen(lambda m, x, y: torch.maximum(m.fc(x), y).amax(-1, True).amax(1, True)).eval()
+    x, y = rows(), torch.randn(3, BATCH, OUT)
+    optimized = fxfuse.optimize(model)
+    assert_reason(optimized, "depends on its value's rank, which an outside tensor of a rank not known")
+    with torch.no_grad():
+        assert_close_report(optimized(x, y), model(x, y))
+
+
 class SpelledOutHardswish(nn.Module):
     def __init__(self):
         super().__init__()
