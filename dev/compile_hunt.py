@@ -663,7 +663,7 @@ def run_case(case: Case, use_fxfuse: bool = True) -> tuple[int, str | None]:
                 return fused, f"call {call}: eager raises {type(error).__name__}: {str(error)[:80]}, compiled runs"
             actual = results_of(compiled, case, arguments, with_grad)
             fused = sum(len(report.fused) for report in backend.reports) if use_fxfuse else 0
-            mismatch = compare(case, actual, expected, call, arguments, with_grad)
+            mismatch = compare(case, actual, expected, call, arguments, with_grad, eager)
             if mismatch:
                 return fused, mismatch
     except Exception as error:
@@ -673,9 +673,10 @@ def run_case(case: Case, use_fxfuse: bool = True) -> tuple[int, str | None]:
     return fused, None
 
 
-def compare(case: Case, actual: list, expected: list, call: int, arguments, with_grad: bool) -> str | None:
+def compare(case: Case, actual: list, expected: list, call: int, arguments, with_grad: bool,
+            eager: nn.Module) -> str | None:
     """None when `actual` matches eager's `expected`; else what differs, tagged "precision" when the compiled
-    result is about as close to a float64 run as eager's."""
+    result is about as close to a float64 run of the `eager` model (as the call found it) as eager's."""
     low_precision = case.dtype == torch.bfloat16 or case.autocast
     rtol, atol = TOLERANCE[torch.bfloat16 if low_precision else torch.float32]
     if len(actual) != len(expected):
@@ -693,7 +694,7 @@ def compare(case: Case, actual: list, expected: list, call: int, arguments, with
             message = str(error).splitlines()[0]
             if a.shape != e.shape or a.dtype != e.dtype or not torch.equal(a.isnan(), e.isnan()):
                 return message  # never rounding
-            if low_precision and closer_to_float64(case, a, e, index, arguments, with_grad):
+            if low_precision and closer_to_float64(case, eager, a, e, index, arguments, with_grad):
                 return f"precision: {message}"
             if gradient and (a.double() - e.double()).abs().nan_to_num(0).max().item() <= rtol * gradient_scale:
                 return f"precision (a gradient that cancels, noise of the call's largest gradient): {message}"
@@ -703,12 +704,14 @@ def compare(case: Case, actual: list, expected: list, call: int, arguments, with
     return None
 
 
-def closer_to_float64(case: Case, actual, expected, index: int, arguments, with_grad: bool) -> bool:
-    """Whether `actual` (result number `index`) is within twice eager's error of the float64 model's result."""
+def closer_to_float64(case: Case, eager: nn.Module, actual, expected, index: int, arguments, with_grad: bool) -> bool:
+    """Whether `actual` (result number `index`) is within twice eager's error of the float64 model's result: a float64
+    copy of `eager` as the call found it (the changes between calls made: a parameter frozen or updated, a module
+    float changed, train() <-> eval()), not one built afresh."""
     try:
         reference_case = copy.copy(case)
         reference_case.autocast = False
-        model = build(case).to(torch.float64)
+        model = copy.deepcopy(eager).to(torch.float64)
         arguments = [a.to(torch.float64) if isinstance(a, torch.Tensor) else a for a in arguments]
         reference = results_of(model, reference_case, arguments, with_grad)[index]
         reference = reference.tensor if isinstance(reference, Gradient) else reference
