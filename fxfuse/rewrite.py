@@ -660,6 +660,21 @@ def _check_first(graph: fx.Graph, position: dict, check, args: tuple) -> None:
     position[node] = (before + position[first]) / 2
 
 
+def _input_read_again(member: fx.Node, region: Region) -> bool:
+    """Whether the input of module call `member` may be read by more than `member`: it, or a region value it is made
+    of back to the GEMM output (which may be an alias: eval-mode dropout and `contiguous()` return their input), has
+    another user. Then the module's `inplace` decides what that reader sees (`kept - act(h)` of the same h)."""
+    members = set(region.members)
+    value = member.args[0] if member.args else None
+    while isinstance(value, fx.Node):
+        if len(value.users) > 1:
+            return True
+        if value is region.anchor or value not in members:
+            return False
+        value = value.args[0] if value.args else None
+    return value is None
+
+
 def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool, shapes_guarded: bool,
              following: dict[fx.Node, tuple[tuple, int]]) -> fx.Node:
     graph = gm.graph
@@ -682,6 +697,11 @@ def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool,
                 graph.call_function(require_eval_mode, (region.x, graph.get_attr(member.target), member.target))
             # The GEMM's weight and bias are read at each call: only a bias it had none of is in its program.
             settings = missing_tensors_of(module) if member is region.anchor else settings_of(module)
+            # (whether it writes its input computes nothing, unless that input, or a value it may alias, is read again;
+            # where it did, the graph's later readers of the input read its result instead, and can't be told apart)
+            if member is not region.anchor and "inplace" in vars(module) and \
+                    (module.inplace is True or _input_read_again(member, region)):
+                settings["inplace"] = module.inplace
             # (the GEMM's weight and bias are the op's own arguments: None there raises eager's error, or has no bias)
             tensors = () if member is region.anchor else \
                 tuple(name for name in (*module._parameters, *module._buffers) if f"{member.target}.{name}" in read)

@@ -1267,6 +1267,32 @@ def test_module_settings_that_compute_nothing_may_change():
         assert_close_report(optimized(x), model(x))  # a NaN slope is the same setting; inplace computes nothing
 
 
+class ResidualAroundActivation(nn.Module):
+    def __init__(self, inplace):
+        super().__init__()
+        self.fc, self.act = nn.Linear(IN, OUT), nn.Hardsigmoid(inplace=inplace)
+
+    def forward(self, x):
+        h = self.fc(x)
+        kept = h
+        return kept - self.act(h)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_inplace_of_a_module_whose_input_is_read_again_may_not_change(inplace):
+    """`kept - act(h)` of the same h: whether act writes h decides whether `kept` is h or act(h) (0 or not). The
+    program held what it was when fused, and a flipped `inplace` went unnoticed: eager's zeros, fused not (or the
+    other way)."""
+    model = ResidualAroundActivation(inplace).eval()
+    optimized = fxfuse.optimize(model)
+    x = rows()
+    with torch.no_grad():
+        assert_close_report(optimized(x), model(x))
+        model.act.inplace = not inplace
+        with pytest.raises(RuntimeError, match="inplace was"):
+            optimized(x)
+
+
 def test_numpy_module_setting_changed_after_optimizing_raises():
     np = pytest.importorskip("numpy")
     model = nn.Sequential(nn.Linear(IN, OUT), nn.LeakyReLU(np.float32(0.1))).eval()
