@@ -1,7 +1,8 @@
 """Helpers for pattern unit tests: prove that a model fuses, and that the fused model is right.
 
 Entry points: ``assert_fuses(model, inputs, regions=1)``, ``assert_not_fused(model, inputs)``,
-``fused_op_count(module)``, ``assert_close_report(actual, expected)``, and for training
+``fused_op_count(module)``, ``exported_ops_reading_inputs(program)``, ``assert_close_report(actual, expected)``,
+and for training
 ``gradients(model, inputs, params)`` and ``assert_gradients_match(model, candidate, inputs)``.
 """
 from __future__ import annotations
@@ -24,6 +25,14 @@ def fused_op_count(module: nn.Module) -> int:
     submodules) call."""
     return sum(1 for m in module.modules() if isinstance(m, fx.GraphModule)
                for n in m.graph.nodes if n.op == "call_function" and n.target in FUSED_OPS)
+
+
+def exported_ops_reading_inputs(program: torch.export.ExportedProgram) -> list:
+    """The targets of the exported program's calls that read a user input (a pool's weight averaging, which
+    reads only parameters, is left out)."""
+    user_inputs = set(program.graph_signature.user_inputs)
+    return [n.target for n in program.graph.nodes if n.op == "call_function" and
+            any(a.name in user_inputs for a in n.all_input_nodes)]
 
 
 def assert_close_report(actual: torch.Tensor, expected: torch.Tensor, rtol=None, atol=None, what="output"):

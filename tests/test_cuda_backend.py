@@ -13,7 +13,7 @@ import torch
 
 import fxfuse
 from fxfuse.modelfile import example_files, load_model_file
-from fxfuse.testing import fused_op_count, gradients
+from fxfuse.testing import exported_ops_reading_inputs, fused_op_count, gradients
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("fresh_dynamo")]
 
@@ -96,10 +96,7 @@ def test_exported_optimized_model(name, precision, device="cuda"):
     assert fused_op_count(optimized) == 1
     batch = torch.export.Dim("batch", min=2, max=4096)
     program = torch.export.export(optimized, tuple(inputs), dynamic_shapes=tuple({0: batch} for _ in inputs))
-    user_inputs = {n for n in program.graph.nodes if n.name in program.graph_signature.user_inputs}
-    reading_inputs = [n.target for n in program.graph.nodes if n.op == "call_function" and
-                      any(a in user_inputs for a in n.all_input_nodes)]  # (a pool's weight averaging reads none)
-    assert reading_inputs == [torch.ops.fxfuse.gemm_epilogue.default]
+    assert exported_ops_reading_inputs(program) == [torch.ops.fxfuse.gemm_epilogue.default]
     assert [n.target for n in program.graph.nodes if n.op == "call_function" and
             getattr(n.target, "namespace", None) == "fxfuse"] == \
         [torch.ops.fxfuse.gemm_epilogue.default]

@@ -11,7 +11,7 @@ import torch.nn as nn
 
 import fxfuse
 from fxfuse.modelfile import example_files, load_model_file
-from fxfuse.testing import assert_close_report, fused_op_count
+from fxfuse.testing import assert_close_report, exported_ops_reading_inputs, fused_op_count
 
 gemm_epilogue = torch.ops.fxfuse.gemm_epilogue.default
 EXAMPLES = {path.stem: path for path in example_files()}
@@ -34,10 +34,7 @@ def test_exported_optimized_example_keeps_the_op_and_runs(name, strict):
     optimized = fxfuse.optimize(model, inputs)
     assert fused_op_count(optimized) == 1
     program = _export(optimized, inputs, strict)
-    user_inputs = {n for n in program.graph.nodes if n.name in program.graph_signature.user_inputs}
-    reading_inputs = [n.target for n in program.graph.nodes if n.op == "call_function" and
-                      any(a in user_inputs for a in n.all_input_nodes)]  # (a pool's weight averaging reads none)
-    assert reading_inputs == [gemm_epilogue] and _ops(program).count(gemm_epilogue) == 1, \
+    assert exported_ops_reading_inputs(program) == [gemm_epilogue] and _ops(program).count(gemm_epilogue) == 1, \
         f"exported ops: {_ops(program)}"
     with torch.no_grad():
         for batch in (inputs[0].shape[0], 5):
