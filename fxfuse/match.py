@@ -586,7 +586,7 @@ class _Growth:
                     tuple(tensor.shape) != (self.features,):
                 return None
             params.append(param.index)
-        return tuple(params)
+        return tuple(dict.fromkeys(params))  # (a tensor added twice is one param, averaged once)
 
     def emit_steps(self, node, steps, last_args, operands, at: int) -> tuple[list, str | None]:
         """Emit the steps before a canonical op computed as several (canonicalize.computed_as) on its resolved

@@ -185,3 +185,17 @@ def test_an_unsqueezed_pool_of_three_dims_raises_as_eager():
     with pytest.raises(type(eager.value)) as fused, torch.no_grad():
         optimized(x)
     assert str(fused.value) == str(eager.value)
+
+
+@pytest.mark.parametrize("epilogue", [
+    lambda m, x, y: F.avg_pool1d(m.fc(x) + m.shift + m.shift, 4).relu(),
+    lambda m, x, y: F.avg_pool1d(m.fc(x) + m.fc.bias + m.shift + m.fc.bias, 4),
+], ids=["shift_twice", "bias_twice_around_shift"])
+def test_a_bias_added_twice_before_the_pool_is_averaged_once(epilogue):
+    """`pool(h + s + s)`: both adds read one param, which the rewritten graph averaged once per add (a mean of the
+    mean: one feature, broadcast over the pooled ones, a silent wrong result)."""
+    model = pooled(epilogue)
+    x = torch.randn(BATCH, IN)
+    optimized = assert_whole_chain_fused(model, [x])
+    assert [row.pool for row in optimized.fxfuse_report.fused] == [4]
+    assert_gradients_match(model.train(), fxfuse.optimize(model.train()), [x])
