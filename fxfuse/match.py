@@ -549,6 +549,10 @@ class _Growth:
         kernel = c.attrs["kernel"]
         if kernel > self.features:
             return f"{describe(node)}'s kernel_size {kernel} is more than the {self.features} features (eager raises)"
+        for what, tensor in (("weight", self.weight), ("bias", self.bias)):
+            if not self.facts.inputs_guarded and _reads_input(tensor):  # (Dynamo's guards keep its shape)
+                return (f"{describe(node)} would average the {what} {describe(tensor)}, made of forward arguments, "
+                        "whose shape may differ at a later call (where eager's pool raises, or its add broadcasts)")
         if self.dtype == torch.float16:
             return (f"{describe(node)} in float16: a GEMM column may overflow where its window's mean, which the "
                     "folded GEMM computes, does not")

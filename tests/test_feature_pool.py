@@ -199,3 +199,28 @@ def test_a_bias_added_twice_before_the_pool_is_averaged_once(epilogue):
     optimized = assert_whole_chain_fused(model, [x])
     assert [row.pool for row in optimized.fxfuse_report.fused] == [4]
     assert_gradients_match(model.train(), fxfuse.optimize(model.train()), [x])
+
+
+@pytest.mark.parametrize("epilogue, example, calls", [
+    (lambda m, x, y: F.avg_pool1d(F.linear(x, m.fc.weight, y), 4).relu(), (OUT,), [(1, OUT), (BATCH, OUT), (1,), (5,)]),
+    (lambda m, x, y: F.avg_pool1d(torch.addmm(y, x, m.fc.weight.t()), 4).relu(), (OUT,), [(1, OUT), (BATCH, 1), (7,)]),
+    (lambda m, x, y: F.avg_pool1d(F.linear(x, y), 4).relu(), (OUT, IN), [(12, IN), (2, IN)]),
+], ids=["linear_bias", "addmm_input", "linear_weight"])
+def test_a_weight_or_bias_of_forward_arguments_does_not_fold_under_optimize(epilogue, example, calls):
+    """A later call's bias of another shape that broadcasts ((1, N), (B, N), (1,)) was averaged over its first dim
+    (or to no values), where eager broadcasts it; a weight of fewer rows than the kernel gave no features, where
+    eager's pool raises, and a bias of its own width averaged to the pooled width ran where eager raises."""
+    model = GemmThen(epilogue).eval()
+    x = torch.randn(BATCH, IN)
+    optimized = fxfuse.optimize(model, [x, torch.randn(example)])
+    assert_reason(optimized, "may differ at a later call")
+    with torch.no_grad():
+        for shape in calls:
+            y = torch.randn(shape)
+            try:
+                expected = model(x, y)
+            except RuntimeError as error:
+                with pytest.raises(type(error)):
+                    optimized(x, y)
+            else:
+                assert_close_report(optimized(x, y), expected)
