@@ -252,12 +252,13 @@ def _softshrink(a, inplace):
 def _avg_pool1d(a, inplace):
     kernel = _pool_size(a["kernel_size"], "kernel_size")
     stride = kernel if a["stride"] in (None, (), []) else _pool_size(a["stride"], "stride")
+    problem = None  # (a FEATURE_POOL record all the same: between unsqueeze and squeeze, it says why at the unsqueeze)
     if stride != kernel:  # (windows that overlap or skip features: no mean of the weight's rows in groups)
-        raise NotFusible(f"avg_pool1d with stride {stride} and kernel_size {kernel}: only windows that tile the "
-                         "features fold into the GEMM")
-    if _pool_size(a["padding"], "padding", least=0) != 0 or a["ceil_mode"] is not False:
-        raise NotFusible("avg_pool1d with padding or ceil_mode: its edge windows average fewer features")
-    return Canonical(FEATURE_POOL, (a["input"],), {"kernel": kernel, "unsqueezed": False})
+        problem = (f"avg_pool1d with stride {stride} and kernel_size {kernel}: only windows that tile the features "
+                   "fold into the GEMM")
+    elif _pool_size(a["padding"], "padding", least=0) != 0 or a["ceil_mode"] is not False:
+        problem = "avg_pool1d with padding or ceil_mode: its edge windows average fewer features"
+    return Canonical(FEATURE_POOL, (a["input"],), {"kernel": kernel, "unsqueezed": False}, problem=problem)
 
 
 def _pool_size(value, name: str, least: int = 1) -> int:
@@ -1693,7 +1694,7 @@ def _pools_of_unsqueezed_values(canon: dict) -> None:
     """`h.unsqueeze(1)`, a feature pool of it, `.squeeze(1)`: one FEATURE_POOL of h (its record on the squeeze,
     covering the other two), which holds for a 2-D h only (a 3-D one makes avg_pool1d raise)."""
     for pool, c in list(canon.items()):
-        if c.op != FEATURE_POOL or c.problem or not isinstance(c.operands[0], fx.Node) or len(pool.users) != 1:
+        if c.op != FEATURE_POOL or not isinstance(c.operands[0], fx.Node) or len(pool.users) != 1:
             continue
         squeeze_node = next(iter(pool.users))
         unsqueezed, squeezed = shape_step(c.operands[0]), shape_step(squeeze_node)
@@ -1702,7 +1703,7 @@ def _pools_of_unsqueezed_values(canon: dict) -> None:
             continue
         del canon[pool]
         canon[squeeze_node] = Canonical(FEATURE_POOL, (unsqueezed[0],), {**c.attrs, "unsqueezed": True},
-                                        covers=(c.operands[0], pool))
+                                        covers=(c.operands[0], pool), problem=c.problem)
 
 
 def canonicalize(gm: fx.GraphModule) -> dict[fx.Node, Canonical]:

@@ -126,7 +126,11 @@ def test_the_backend_folds_it_too():
     (lambda m, x, y: F.avg_pool1d(m.fc(x).relu(), 2), "only the GEMM's own output"),
     (lambda m, x, y: F.avg_pool1d(m.fc(x) + m.fc.bias[None], 2), "only the GEMM's own output"),  # (1, N)
     (lambda m, x, y: F.avg_pool1d(m.fc(x) + y, 2), "only the GEMM's own output"),  # a forward argument's
-], ids=["overlapping", "padding", "ceil_mode", "after_an_op", "bias_of_two_dims", "argument_bias"])
+    # (KernelBench's spelling: the reason, not "`unsqueeze` is not an epilogue op")
+    (lambda m, x, y: F.avg_pool1d(m.fc(x).unsqueeze(1), 4, 2).squeeze(1), "only windows that tile the features"),
+    (lambda m, x, y: F.avg_pool1d(m.fc(x).unsqueeze(1), 3, ceil_mode=True).squeeze(1), "padding or ceil_mode"),
+], ids=["overlapping", "padding", "ceil_mode", "after_an_op", "bias_of_two_dims", "argument_bias",
+        "unsqueezed_overlapping", "unsqueezed_ceil_mode"])
 def test_pools_that_are_no_mean_of_whole_windows_do_not_fold(epilogue, reason):
     model = GemmThen(epilogue).eval()
     x, y = torch.randn(BATCH, IN), torch.randn(OUT)
