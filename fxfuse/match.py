@@ -75,6 +75,9 @@ class Region:
     # pooled features. None: no pool.
     pool: int | None = None
     pooled_params: tuple = ()        # the params the program adds before the pool (biases): averaged as the weight
+    # The pool reads the GEMM output's rows (dim -2) as avg_pool1d's channels (no unsqueeze(1) first): eager's pool
+    # raises where there are none (a 2-D input of no rows), which the rewritten graph checks.
+    pool_reads_rows: bool = False
 
 
 class Boundary(str):
@@ -260,8 +263,8 @@ class _Growth:
         # dtype, what it is to that op): one an op scales first, addmm's input
         self.scaled_arguments: list[tuple[int, fx.Node, torch.dtype, str]] = []
         # (a feature pool's kernel, the member count before it, and before it: the features, the values, and the
-        # params of the biases added to the GEMM's output, which the pool averages too)
-        self.pool: tuple[int, int, int, dict, tuple] | None = None
+        # params of the biases added to the GEMM's output, which the pool averages too; whether it was unsqueezed)
+        self.pool: tuple[int, int, int, dict, tuple, bool] | None = None
         self.instructions: list[Instruction] = []
         self.params: list[Any] = []
         self.misses: list[NearMiss] = []
@@ -569,7 +572,7 @@ class _Growth:
         self.dtypes.append(((torch.float32, torch.bfloat16), len(self.members), "avg_pool1d"))
         # (the values so far are the pooled ones now: the GEMM's own output, and its sums with biases, are computed
         # nowhere)
-        self.pool = (kernel, len(self.members), self.features, dict(self.value), biases)
+        self.pool = (kernel, len(self.members), self.features, dict(self.value), biases, c.attrs["unsqueezed"])
         self.features //= kernel
         self.add_member(node, c)
         self.value.clear()
@@ -1110,7 +1113,8 @@ def _region_of(growth: _Growth, snapshot: tuple, output: fx.Node) -> Region:
                                                        for at, argument, dtype, what in growth.scaled_arguments
                                                        if at < n_members)),
                   pool=growth.pool[0] if growth.pool is not None and growth.pool[1] < n_members else None,
-                  pooled_params=growth.pool[4] if growth.pool is not None and growth.pool[1] < n_members else ())
+                  pooled_params=growth.pool[4] if growth.pool is not None and growth.pool[1] < n_members else (),
+                  pool_reads_rows=growth.pool is not None and growth.pool[1] < n_members and not growth.pool[5])
 
 
 def _common_dtypes(each: list[tuple]) -> tuple | None:

@@ -416,6 +416,15 @@ def require_out_without_grad(x: torch.Tensor, op: str, tensors: list) -> None:
                            "one of the arguments requires grad.")
 
 
+def require_pool_channels(x: torch.Tensor, weight: torch.Tensor, kernel: int) -> None:
+    """Called by optimize()'s rewritten graphs before a fused op whose GEMM took an avg_pool1d over its output's
+    features, where the pool reads the output's rows (dim -2) as its channels: eager's pool raises for none (a 2-D
+    input of no rows), the folded GEMM does not. Eager's own error, from its pool of an empty output of the GEMM's
+    shape. (Dynamo guards sizes of 0 itself.)"""
+    if x.dim() >= 2 and x.shape[-2] == 0:
+        torch.avg_pool1d(x.new_empty((*x.shape[:-1], weight.shape[0])), kernel)
+
+
 def mean_of_row_groups(tensor: torch.Tensor, size: int) -> torch.Tensor:
     """Called by rewritten graphs for a GEMM whose output is average-pooled over its features (match's feature pool):
     the GEMM's (N, K) weight, or its (N,) bias, with each `size` consecutive rows averaged (a partial group at the end
@@ -492,7 +501,8 @@ FIRST_CHECKS = (require_traced_as_tensor, require_argument_rank, require_broadca
 # What a rewritten graph calls beside its fused ops.
 GRAPH_HELPERS = (require_tensor, require_param, require_eval_mode, require_settings, require_matrix, require_rank,
                  require_features, require_out_without_grad, require_rank_at_least, require_dtype, *FIRST_CHECKS,
-                 require_no_function_transform, number_as_tensor, mean_of_row_groups, augmented_assignment)
+                 require_no_function_transform, number_as_tensor, require_pool_channels, mean_of_row_groups,
+                 augmented_assignment)
 
 
 def _copy_meta(node: fx.Node, source: fx.Node, keys) -> None:
@@ -770,6 +780,8 @@ def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool,
                   if _maybe_number(p, shapes_guarded, following, gm) else _tensor_node(graph, p)
                   for k, p in enumerate(region.params)]
         bias = _tensor_node(graph, region.bias)
+        if region.pool is not None and region.pool_reads_rows and not shapes_guarded:
+            graph.call_function(require_pool_channels, (region.x, weight, region.pool))
         if region.pool is not None:
             weight = graph.call_function(mean_of_row_groups, (weight, region.pool))
             if bias is not None:

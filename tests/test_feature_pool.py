@@ -228,3 +228,26 @@ def test_a_weight_or_bias_of_forward_arguments_does_not_fold_under_optimize(epil
                     optimized(x, y)
             else:
                 assert_close_report(optimized(x, y), expected)
+
+
+@pytest.mark.parametrize("epilogue, shape", [
+    (pool_module_on_rows, (0, IN)), (pool_module_on_rows, (2, 0, IN)), (pool_module_on_rows, (0, 3, IN)),
+    (pool_module, (0, IN)),
+], ids=["no_rows", "three_dims_no_channels", "three_dims_no_batch", "unsqueezed_no_rows"])
+def test_an_empty_input_raises_where_eager_pool_reads_no_channels(epilogue, shape):
+    """avg_pool1d reads a 2-D value as (channels, length), a 3-D one as (batch, channels, length): eager's pool
+    raises for no channels (a 2-D input of no rows), where the folded GEMM gave an empty result. No batch, or no rows
+    between unsqueeze(1) and squeeze(1) (a batch then), run."""
+    model = pooled(epilogue)
+    x = torch.randn(shape)
+    for optimized in (fxfuse.optimize(model), fxfuse.optimize(model, [torch.randn(*shape[:-2], 4, IN)])):
+        assert fused_op_count(optimized) == 1
+        with torch.no_grad():
+            try:
+                expected = model(x)
+            except RuntimeError as error:
+                with pytest.raises(type(error)) as fused:
+                    optimized(x)
+                assert str(fused.value) == str(error)
+            else:
+                assert_close_report(optimized(x), expected)
