@@ -544,8 +544,12 @@ class _Growth:
         the GEMM's columns is the GEMM of the weight's rows (and the bias's values) averaged over that window, which
         the rewritten graph computes before the fused op (a GEMM `kernel` times smaller); the program then reads the
         pooled features. The pool must come first: the program's values are of the pooled width."""
+        pooled = self.facts.resolve(c.operands[0])
+        if pooled in self.member_set and pooled not in self.value:  # (a second pool of the GEMM's output)
+            return (f"{describe(node)} pools {describe(pooled)}, of which the fused op computes no value (the GEMM's "
+                    "output before a pool that its weight took)")
         biases = self.bias_adds()
-        if self.value.get(self.facts.resolve(c.operands[0])) != len(self.instructions) or biases is None or \
+        if self.value.get(pooled) != len(self.instructions) or biases is None or \
                 self.pool is not None:
             return (f"{describe(node)} pools a value the region computed: only the GEMM's own output, or it plus "
                     "biases of its features, folds into its weight")

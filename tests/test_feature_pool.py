@@ -251,3 +251,17 @@ def test_an_empty_input_raises_where_eager_pool_reads_no_channels(epilogue, shap
                 assert str(fused.value) == str(error)
             else:
                 assert_close_report(optimized(x), expected)
+
+
+def test_a_second_pool_of_the_gemm_output_says_it_reads_no_value_of_the_fused_op():
+    """`pool(h, 4) + pool(h, 2)`: the first folds into the weight, so the fused op computes no h for the second."""
+    def two_pools(m, x, y):
+        h = m.fc(x)
+        return F.avg_pool1d(h, 4).sum(-1) + F.avg_pool1d(h, 2).sum(-1)
+
+    model = GemmThen(two_pools).eval()
+    x = torch.randn(BATCH, IN)
+    optimized = fxfuse.optimize(model, [x])
+    assert_reason(optimized, "`avg_pool1d_1` pools `fc`, of which the fused op computes no value")
+    with torch.no_grad():
+        assert_close_report(optimized(x), model(x))
