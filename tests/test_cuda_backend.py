@@ -137,9 +137,32 @@ def _row_norms(m, x):
     return torch.linalg.vector_norm(torch.relu(m.fc(x)), dim=1, keepdim=True)
 
 
-def _avg_pool_gelu_scale_max(m, x):  # Matmul_AvgPool_GELU_Scale_Max: the pool folds into the GEMM's weight
+def _pooled_gelu_scaled(m, x):
     h = torch.nn.functional.avg_pool1d(m.fc(x).unsqueeze(1), kernel_size=4).squeeze(1)
-    return torch.max(torch.nn.functional.gelu(h) * 2.0, dim=1).values
+    return torch.nn.functional.gelu(h) * 2.0
+
+
+def _avg_pool_gelu_scale_max(m, x):  # Matmul_AvgPool_GELU_Scale_Max: the pool folds into the GEMM's weight
+    return torch.max(_pooled_gelu_scaled(m, x), dim=1).values
+
+
+# Chains whose gradient flows to the column of each row's maximum, of the values this computes (a maximum that
+# rounding may move to another column, in eager as in the fused op: the gradients are compared on the others' rows)
+VALUES_OF_A_ROW_MAXIMUM = {_avg_pool_gelu_scale_max: _pooled_gelu_scaled}
+
+
+def _rows_of_a_clear_maximum(chain, model, x):
+    """x's rows whose maximum, in a float64 run, leads the next value by more than 8 of x's dtype's eps (relative),
+    so that no rounding moves it; all of x for a chain of no row maximum."""
+    values_of = VALUES_OF_A_ROW_MAXIMUM.get(chain)
+    if values_of is None:
+        return x
+    with torch.no_grad():
+        top_two = values_of(copy.deepcopy(model).double(), x.double()).topk(2, dim=1).values
+    lead = (top_two[:, 0] - top_two[:, 1]) / top_two[:, 0].abs().clamp_min(1e-30)
+    clear = x[lead > 8 * torch.finfo(x.dtype).eps]
+    assert len(clear) >= 30, f"{chain.__name__}: only {len(clear)} rows of a clear maximum"
+    return clear
 
 
 class _Chain(torch.nn.Module):
@@ -163,6 +186,7 @@ def test_kernelbench_chains_fuse_whole_and_train(chain, precision):
     assert fused_op_count(optimized) == 1 and not optimized.fxfuse_report.near_misses
     Judge(model, dtype).check(optimized(x), [x], chain.__name__)
     params = list(model.parameters())
+    x = _rows_of_a_clear_maximum(chain, model, x)
     expected, actual = gradients(model, [x], params), gradients(optimized, [x], params)
     bound = 1e-4 if dtype == torch.float32 else 2e-2
     for name, want, got in zip(["x", "weight", "bias"], expected, actual):
