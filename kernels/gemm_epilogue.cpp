@@ -20,7 +20,8 @@
 //
 // Limits (anything else runs the reference through fxfuse::gemm_epilogue_fallback, or gemm_epilogue_train_fallback,
 // with the reason logged):
-// fp32 / bf16 / fp16, every tensor of one dtype, contiguous x, weight, bias, on one CUDA device; M >= 1;
+// fp32 / bf16 / fp16, every tensor of one dtype, contiguous weight and bias (an x of other strides, such as x.t(),
+// is copied to rows first), on one CUDA device; M >= 1;
 // N <= 16384; norms and reductions over the last dim of a full row (group_norm and batch_norm of a 2-D x only);
 // group sizes off the lanes' power-of-2 grid need N <= 12288 (a row in 48 KB of shared memory); at most 16
 // instructions, 8 param uses, 2 live extra values; every instruction reads a value (`mul($0,2.0)` runs before the op:
@@ -296,7 +297,7 @@ std::string check_inputs(const at::Tensor& x, const at::Tensor& weight, const st
   if (x.dim() < 2) return "x has fewer than 2 dims";
   if (weight.dim() != 2 || weight.size(1) != x.size(-1)) return "weight does not match x";
   if (x.numel() == 0 || weight.size(0) == 0) return "empty input";
-  if (!x.is_contiguous() || !weight.is_contiguous()) return "x or weight is not contiguous";
+  if (!weight.is_contiguous()) return "weight is not contiguous";
   std::vector<const at::Tensor*> tensors{&weight};
   if (bias.has_value()) {
     if (bias->dim() != 1 || bias->size(0) != weight.size(0) || !bias->is_contiguous()) return "bias is not [N]";
@@ -434,7 +435,8 @@ Outputs run_gemm_epilogue(const at::Tensor& x, const at::Tensor& weight, const s
     if (shared_bytes < 0) return fallback("group layout needs > 48 KB");
   }
 
-  const at::Tensor y = gemm(x.view({rows, in_features}), weight, bias);
+  // (a strided x, x.t() or a permuted view, costs one copy here: the reference would run every op on its own)
+  const at::Tensor y = gemm(x.reshape({rows, in_features}).contiguous(), weight, bias);
   at::Tensor row_result = y;
 
   RowProgram row{};

@@ -673,15 +673,15 @@ def test_cuda_graph_capture_and_replay(name, precision):
         assert_close_to_reference(static_out, fresh, weight, bias, params, program, bound_for(precision))
 
 
-def non_contiguous_inputs():
+def non_contiguous_weight_inputs():
     x, weight, bias = linear_inputs(64, 96, 128, torch.float32)
-    return x.t().contiguous().t(), weight, bias
+    return x, weight.t().contiguous().t(), bias
 
 
 FALLBACKS = [
     # (why, inputs factory, program, group_norm channels, reason logged)
     ("float64", lambda: linear_inputs(64, 96, 128, torch.float64), "relu(%0)", 0, "dtype"),
-    ("non-contiguous x", non_contiguous_inputs, "relu(%0)", 0, "not contiguous"),
+    ("non-contiguous weight", non_contiguous_weight_inputs, "relu(%0)", 0, "weight is not contiguous"),
     ("3-D x with group_norm", lambda: linear_inputs(None, 96, 128, torch.float32, lead=(4, 16)),
      "group_norm(%0,$0,$1,4,1e-05)", 16, "group_norm is row-local only"),  # eager's channels: dim 1
     ("softmax over dim 0", lambda: linear_inputs(64, 96, 128, torch.float32), "softmax(%0,0)", 0, "softmax over a dim"),
@@ -704,6 +704,28 @@ def test_fallback_runs_the_reference_and_logs_why(case, op, caplog):
         assert_close_to_reference(result, x, weight, bias, params, program, bound)
     else:
         assert_training_outputs(result, x, weight, bias, params, program, bound)
+
+
+@pytest.mark.parametrize("op", ["gemm_epilogue", "gemm_epilogue_train"])
+@pytest.mark.parametrize("view", ["transposed", "permuted 3-D"])
+def test_a_strided_x_runs_the_kernels(view, op, caplog):
+    """x.t() or a permuted 3-D view (`fc(x.permute(1, 0, 2))`) is copied to rows before the GEMM: no reference."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    if view == "transposed":
+        x, weight, bias = linear_inputs(64, 96, 128, torch.float32)
+        x = x.t().contiguous().t()
+    else:
+        x, weight, bias = linear_inputs(None, 96, 128, torch.float32, lead=(4, 16))
+        x = x.permute(1, 0, 2).contiguous().permute(1, 0, 2)
+    assert not x.is_contiguous()
+    program = "softmax(%0,-1)"
+    with caplog.at_level(logging.DEBUG, logger="fxfuse"):
+        result = getattr(torch.ops.fxfuse, op)(x, weight, bias, [], program)
+    assert not [r.getMessage() for r in caplog.records if "runs the reference" in r.getMessage()]
+    if op == "gemm_epilogue":
+        assert_close_to_reference(result, x, weight, bias, [], program, BOUNDS["fp32"])
+    else:
+        assert_training_outputs(result, x, weight, bias, [], program, BOUNDS["fp32"])
 
 
 def test_a_cpu_scalar_param_runs_the_reference_as_eager_takes_it(caplog):
