@@ -4,8 +4,10 @@ Each seed builds one model as Python source: a GEMM (nn.Linear, F.linear with pa
 ``x @ w.t()``, with or without bias) on an input of 1-4 dims, then a random chain of 1-6 epilogue ops from
 fxfuse's vocabulary (activations, arithmetic with numbers, parameters and forward arguments, norms, row reductions
 and softmax), each in a random spelling (module, F.*, torch.*, method, in-place, operator, keywords or positional
-arguments). The dtype (float32, float64, bfloat16), train or eval mode, and whether optimize() gets example inputs
-are random too. Then it checks:
+arguments). Now and then an average pool over the features (avg_pool1d in fxfuse's spellings) comes right after the
+GEMM or its bias adds, where it folds into the GEMM unless its stride, padding or ceil_mode say otherwise, or later in
+the chain, where it does not fold. The dtype (float32, float64, bfloat16), train or eval mode, and whether optimize()
+gets example inputs are random too. Then it checks:
 
 - optimize() itself does not raise, and leaves the model's own results as they were;
 - the optimized model gives eager's output, or eager's error (and no error where eager runs);
@@ -73,8 +75,9 @@ class ModelSpec:
     keywords: bool = False        # the forward arguments given by name
     init_lines: list[str] = field(default_factory=list)
     forward_lines: list[str] = field(default_factory=list)
-    # (name, kind, positive, dtype): kind "full" / "feat" / "row" / "scalar" (a 0-d tensor) / "number" (a float)
-    extra_args: list[tuple[str, str, bool, torch.dtype | None]] = field(default_factory=list)
+    # (name, kind, positive, dtype, features): kind "full" / "feat" / "row" / "scalar" (a 0-d tensor) / "number" (a
+    # float); features: the chain's width where it was drawn (a pool over the features narrows it)
+    extra_args: list[tuple[str, str, bool, torch.dtype | None, int]] = field(default_factory=list)
     returns: list[str] = field(default_factory=lambda: ["h"])
     steps: list[str] = field(default_factory=list)  # one short name per drawn step, for the summary
 
@@ -95,11 +98,11 @@ class ModelSpec:
         else:
             x = torch.randn(*leading, self.in_features, generator=generator)
         values = [x.to(self.dtype)]
-        for _, kind, positive, dtype in self.extra_args:
+        for _, kind, positive, dtype, features in self.extra_args:
             if kind == "number":
                 values.append(round(float(torch.rand((), generator=generator)) + 0.5, 3))
                 continue
-            shape = {"full": (*leading, self.out_features), "feat": (self.out_features,), "row": (*leading, 1),
+            shape = {"full": (*leading, features), "feat": (features,), "row": (*leading, 1),
                      "scalar": ()}[kind]
             value = torch.randn(shape, generator=generator)
             if positive:
@@ -121,9 +124,11 @@ class Drawer:
     """Draws a model's steps, tracking what the chain's value is: features (last dim N), a keepdim-reduced row
     (last dim 1) or a reduced one (one dim fewer)."""
 
-    def __init__(self, rng: random.Random, spec: ModelSpec):
+    def __init__(self, rng: random.Random, spec: ModelSpec, pool_rng: random.Random):
         self.rng = rng
+        self.pool_rng = pool_rng  # draws the pools over the features apart, so a model without one is as it was
         self.spec = spec
+        self.features = spec.out_features  # the chain's width: the GEMM's, or a pool's output's
         self.state = "features"
         self.counter = 0
         self.reductions = 0
@@ -161,7 +166,7 @@ class Drawer:
         name = f"y{len(self.spec.extra_args)}"
         dtype = self.pick(torch.float32, torch.bfloat16, torch.float64, torch.int64, torch.bool) \
             if self.rng.random() < 0.2 else None
-        self.spec.extra_args.append((name, kind, positive, dtype))
+        self.spec.extra_args.append((name, kind, positive, dtype, self.features))
         return name
 
     def pick(self, *choices):
@@ -213,6 +218,73 @@ class Drawer:
                 product += " + self.b"
             self.spec.forward_lines.append(f"h = {product}")
         self.spec.steps.append(kind + ("+b" if bias else ""))
+        if self.pool_rng.random() < 0.15:
+            if self.pool_rng.random() < 0.25:  # another bias of the features first, which a folded pool averages too
+                self.spec.forward_lines.append(f"h = h + {self.param(f'({self.features},)')}")
+                self.spec.steps.append("add(param_n)")
+            self.pool()
+
+    # ------------------------------------------------------------------------------------ a pool over the features
+
+    def pool(self) -> None:
+        """An average pool over the features in a random spelling (nn.AvgPool1d, F.avg_pool1d, torch.avg_pool1d; on
+        the value, or between `unsqueeze(1)` and `squeeze(1)`), drawn with pool_rng. Its windows tile the features
+        (fxfuse folds it into the GEMM right before it), or now and then do not: another stride, padding or ceil_mode
+        (it must not fold); its kernel divides the features or not (a partial window is dropped), or exceeds them."""
+        r = self.pool_rng
+        n = self.features
+        divisors = [k for k in range(1, n + 1) if n % k == 0]
+        others = [k for k in range(2, n) if n % k]
+        kernel = r.choice(others) if others and r.random() < 0.4 else r.choice(divisors)
+        if r.random() < 0.05:
+            kernel = n + 1  # (eager raises)
+        options = {}  # avg_pool1d's arguments after kernel_size that differ from their defaults (or stride = kernel)
+        if r.random() < 0.3:
+            extra = r.choice(["stride", "stride", "padding", "ceil_mode", "count_include_pad", "same stride"])
+            if extra == "stride":
+                options["stride"] = r.choice([s for s in range(1, kernel + 2) if s != kernel])
+            elif extra == "padding":
+                options["padding"] = r.randint(1, max(1, kernel // 2))  # (more than kernel // 2: eager raises)
+            elif extra in ("ceil_mode", "count_include_pad"):
+                options[extra] = extra == "ceil_mode"
+            else:
+                options["stride"] = kernel
+        try:
+            self.features = F.avg_pool1d(torch.zeros(1, n), kernel, **options).shape[-1]
+        except RuntimeError:
+            pass  # (eager raises at this pool: the width after it does not matter)
+        spelling = r.choice(["module", "F", "torch"])
+        kernel_text = r.choice([str(kernel), str(kernel), f"({kernel},)", f"[{kernel}]"])
+        order = ("stride", "padding", "ceil_mode", "count_include_pad")
+        defaults = {"stride": kernel, "padding": 0, "ceil_mode": False, "count_include_pad": True}
+        if r.random() < 0.5:  # positional, up to the last one given
+            given = [i for i, name in enumerate(order) if name in options]
+            last = given[-1] if given else -1
+            arguments = [kernel_text] + [str(options.get(name, defaults[name])) for name in order[:last + 1]]
+        else:
+            arguments = [kernel_text if r.random() < 0.5 else f"kernel_size={kernel_text}"]
+            arguments += [f"{name}={value}" for name, value in options.items()]
+        if spelling == "module":
+            name = self.fresh("pool")
+            self.spec.init_lines.append(f"self.{name} = nn.AvgPool1d({', '.join(arguments)})")
+            call = f"self.{name}({{}})"
+        else:
+            prefix = "F.avg_pool1d" if spelling == "F" else "torch.avg_pool1d"
+            call = f"{prefix}({{}}, {', '.join(arguments)})"
+        unsqueezed = r.random() < 0.5
+        # (avg_pool1d takes a 2-D or 3-D value, 2-D where it is unsqueezed first: mostly x's leading dims give one)
+        fitting = [(1,), (2,), (3,), (5,)] + ([] if unsqueezed else [(1, 3), (2, 3), (3, 1)])
+        if self.spec.leading not in fitting and r.random() < 0.8:
+            self.spec.leading = r.choice(fitting)
+        if not unsqueezed:
+            lines = [f"h = {call.format('h')}"]
+        else:
+            dim = r.choice([1, 1, -2])
+            lines = r.choice([[f"h = {call.format(f'h.unsqueeze({dim})')}.squeeze({dim})"],
+                              [f"h = h.unsqueeze({dim})", f"h = {call.format('h')}", f"h = h.squeeze({dim})"]])
+        self.spec.forward_lines.extend(lines)
+        shown = "".join(f", {name}={value}" for name, value in options.items())
+        self.spec.steps.append(f"avg_pool1d({spelling}, {kernel}{shown}{', unsqueezed' if unsqueezed else ''})")
 
     # ------------------------------------------------------------------------------------------ pointwise ops
 
@@ -294,7 +366,7 @@ class Drawer:
         if name in ("sin", "erf", "atan"):
             return name, self.pick(f"h = torch.{name}(h)", f"h = h.{name}()", f"h.{name}_()")
         # prelu: one slope or one per feature (only where the chain's value still has its features)
-        channels = self.spec.out_features if self.state == "features" and r.random() < 0.5 else 1
+        channels = self.features if self.state == "features" and r.random() < 0.5 else 1
         return name, self.module(f"nn.PReLU({channels}, init={self.number(0, 0.5)})")
 
     def with_number(self) -> tuple[str, str]:
@@ -328,7 +400,7 @@ class Drawer:
         positive = op == "div"
         source = self.pick("param_n", "param_1n", "param_0d", "arg_full", "arg_feat", "arg_row", "arg_scalar")
         if source.startswith("param"):
-            shape = {"param_n": f"({self.spec.out_features},)", "param_1n": f"(1, {self.spec.out_features})",
+            shape = {"param_n": f"({self.features},)", "param_1n": f"(1, {self.features})",
                      "param_0d": "()"}[source]
             t = self.param(shape, positive=positive)
         else:
@@ -351,7 +423,7 @@ class Drawer:
 
     def norm(self) -> tuple[str, str]:
         """(step name, line) of a norm over the features."""
-        n = self.spec.out_features
+        n = self.features
         eps = self.pick(1e-5, 1e-6, 0.001, 0.1)
         name = self.pick("group_norm", "layer_norm", "rms_norm")
         if name == "group_norm":
@@ -437,7 +509,7 @@ class Drawer:
 
     def second_gemm(self) -> tuple[str, str]:
         """(step name, line) of another Linear of N to N features (a chain that a GEMM ends and starts)."""
-        n = self.spec.out_features
+        n = self.features
         return "linear", ModuleCall(f"nn.Linear({n}, {n}, bias={self.pick(True, False)})", "fc")
 
     # ---------------------------------------------------------------------------------------------- a chain
@@ -445,6 +517,8 @@ class Drawer:
     def chain(self) -> None:
         """1 to MAX_STEPS epilogue steps after the GEMM."""
         for _ in range(self.rng.randint(1, MAX_STEPS)):
+            if self.state == "features" and self.pool_rng.random() < 0.03:  # a pool in the chain: it does not fold
+                self.pool()
             kinds = ["activation", "activation", "number", "tensor", "keep", "no-op"]
             if self.kept or self.rng.random() < 0.2:
                 kinds += ["residual"]
@@ -478,7 +552,7 @@ def draw_model(seed: int) -> ModelSpec:
     spec.strided_input = rng.random() < 0.15
     spec.wrapped = rng.random() < 0.15
     spec.keywords = rng.random() < 0.15
-    drawer = Drawer(rng, spec)
+    drawer = Drawer(rng, spec, random.Random(seed + 3_000_017))
     drawer.prologue()
     drawer.gemm()
     drawer.chain()
@@ -796,14 +870,16 @@ FXFUSE_REFUSALS = ("run fxfuse.optimize() on the model again", "was in eval mode
 # module settings the hunter changes after optimize(), and how
 SETTINGS = {"negative_slope": lambda v: v + 0.25, "eps": lambda v: v * 10, "min_val": lambda v: v - 0.5,
             "max_val": lambda v: v + 0.5, "alpha": lambda v: v * 2, "beta": lambda v: v + 1, "threshold": lambda v: 1.0,
-            "approximate": lambda v: "tanh" if v == "none" else "none", "inplace": lambda v: not v}
+            "approximate": lambda v: "tanh" if v == "none" else "none", "inplace": lambda v: not v,
+            "kernel_size": lambda v: (v[0] + 1,), "ceil_mode": lambda v: not v}
 
 
 def change_the_model(model: nn.Module, rng: random.Random) -> str:
     """Change `model` after optimize(): a module's setting, its mode, or a parameter's values; say what."""
     choice = rng.random()
     settings = [(name, module, attribute) for name, module in model.named_modules()
-                for attribute in SETTINGS if isinstance(getattr(module, attribute, None), (bool, int, float, str))]
+                for attribute in SETTINGS
+                if isinstance(getattr(module, attribute, None), (bool, int, float, str, tuple))]
     if choice < 0.4 and settings:
         name, module, attribute = rng.choice(settings)
         before = getattr(module, attribute)
