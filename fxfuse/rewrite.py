@@ -19,8 +19,9 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .canonicalize import (IDENTITY, LINEAR, SQUEEZED, Attr, augmented_assignment, canonicalize, has_call_hooks,
-                           hooks_of, rank_change, restore_readers_outside_regions, shape_after, shape_step)
+from .canonicalize import (FEATURE_POOL, IDENTITY, LINEAR, SQUEEZED, Attr, augmented_assignment, canonicalize,
+                           has_call_hooks, hooks_of, rank_change, restore_readers_outside_regions, shape_after,
+                           shape_step)
 from .epilogue import EPILOGUE_OPS, NORM, POINTWISE, REDUCTION
 from .library import gemm_epilogue, gemm_epilogue_train
 from .match import Facts, Region, find_region, module_tensor, module_tensor_path
@@ -542,8 +543,9 @@ def _ranks_following_arguments(gm: fx.GraphModule, canon: dict, mutations: list)
     """The values whose rank follows from forward arguments' ranks alone, whatever the call: value -> ({argument: its
     offset}, least); the value has max(least, each argument's rank + its offset) dims (an offset of None: the
     argument's rank does not count). These are values made of arguments, numbers and module tensors by ops that keep
-    their value's rank (pointwise ops, no-ops, norms, reductions that keep the dim, and GEMMs with a module weight: an
-    x of 1 dim or more keeps its rank; the most dims of their operands, module tensors' included), and by ops that
+    their value's rank (pointwise ops, no-ops, norms, reductions that keep the dim, average pools over the features in
+    windows that tile them, and GEMMs with a module weight: an x of 1 dim or more keeps its rank; the most dims of
+    their operands, module tensors' included), and by ops that
     change it by a fixed amount: a reduction over one dim without keepdim (one fewer, of 1 dim or more),
     canonicalize.rank_change's (`unsqueeze`, `flatten`); and a squeeze of an argument, or of what ops that keep
     its shape, squeezes and unsqueezes make of it alone (`x.relu().squeeze(0)`, `x.unsqueeze(1).squeeze(0)`), whose
@@ -591,10 +593,10 @@ def _ranks_following_arguments(gm: fx.GraphModule, canon: dict, mutations: list)
         drops_dim = spec is not None and spec.kind == REDUCTION and c.attrs.get("keepdim") is False
         if c.op == LINEAR and module_tensor_path(c.operands[1]) is not None:
             operands = (c.operands[0], *c.operands[2:])  # (the weight does not broadcast with x)
-        elif c.op == IDENTITY or (spec is not None and spec.kind in (POINTWISE, NORM)) or \
+        elif c.op in (IDENTITY, FEATURE_POOL) or (spec is not None and spec.kind in (POINTWISE, NORM)) or \
                 (spec is not None and spec.kind == REDUCTION and isinstance(c.attrs.get("keepdim"), bool) and
                  c.op not in ("max_dim", "min_dim")):
-            operands = c.operands  # (max_dim and min_dim make (values, indices))
+            operands = c.operands  # (max_dim and min_dim make (values, indices); a feature pool keeps its rank)
         else:
             continue
         values = [o for o in operands if isinstance(o, fx.Node) and module_tensor_path(o) is None]

@@ -2474,6 +2474,31 @@ def test_without_example_inputs_a_value_made_inside_the_graph_of_another_rank_gi
             assert_close_report(optimized(*inputs), expected)
 
 
+@pytest.mark.parametrize("pool", [
+    lambda m, h: F.avg_pool1d(h, 2),
+    lambda m, h: m.pool(h),
+    lambda m, h: F.avg_pool1d(h.unsqueeze(1), 2).squeeze(1),
+], ids=["F.avg_pool1d", "nn.AvgPool1d", "unsqueezed"])
+def test_without_example_inputs_a_pool_between_two_regions_keeps_its_inputs_rank(pool):
+    """An average pool over the features that does not fold into the GEMM before it (it pools the relu's value)
+    makes a value of its input's rank, as the ops that keep their rank do: the second region's x follows from the
+    input's, and an input of another rank runs the model's own forward (a 3-D one raised fxfuse's error where eager
+    computes)."""
+    model = GemmThen(lambda m, x, y: F.group_norm(m.fc2(pool(m, torch.relu(m.fc(x)))), 4),
+                     fc2=nn.Linear(OUT // 2, OUT), pool=nn.AvgPool1d(2)).eval()
+    optimized = fxfuse.optimize(model)
+    assert fused_op_count(optimized) == 2
+    with torch.no_grad():
+        for x in (rows(), torch.randn(2, 8, IN), torch.randn(2, 4, 5, IN), torch.randn(IN)):
+            try:
+                expected = model(x)
+            except Exception as error:
+                with pytest.raises(type(error), match=re.escape(str(error))):
+                    optimized(x)
+                continue
+            assert_close_report(optimized(x), expected)
+
+
 def _raised_by(function, *args) -> Exception:
     try:
         function(*args)
