@@ -304,6 +304,25 @@ def require_broadcast_rank(values: tuple, least: int, rank: int, what: str, offs
     more; `steps`, the squeezes and unsqueezes of x before that squeeze, `x.unsqueeze(1).squeeze(0)`): it
     has the most dims of them, which, where not `rank`, runs the model's forward instead (NotOptimizedForThisCall), as
     it does where eager's squeeze raises. Anything but a tensor has no dims to broadcast."""
+    made = _broadcast_rank(values, least, offsets)
+    if made != rank:
+        raise NotOptimizedForThisCall(_rank_message(made, rank, what))
+
+
+def require_broadcast_rank_at_least(values: tuple, least: int, rank: int, what: str, offsets: tuple) -> None:
+    """require_rank_at_least's check, made before any op, for a value that the graph makes of forward arguments as
+    require_broadcast_rank's: where it has fewer than `rank` dims, the model's forward runs instead
+    (NotOptimizedForThisCall), which computes what eager does (another argument may give the fused op's value the
+    dims it needs: `torch.minimum(fc(x.squeeze()), y)` of a (1, 1, K) x and a (1, 1, 1) y), or raises eager's error."""
+    made = _broadcast_rank(values, least, offsets)
+    if made < rank:
+        raise NotOptimizedForThisCall(f"fxfuse: this part of the model was optimized for an {what} of {rank} dims or "
+                                      f"more; got a {made}-D one")
+
+
+def _broadcast_rank(values: tuple, least: int, offsets: tuple | None) -> int:
+    """The rank of the value that require_broadcast_rank's `values`, `least` and `offsets` make at this call; raises
+    NotOptimizedForThisCall where eager's squeeze raises."""
     offsets = (0,) * len(values) if offsets is None else offsets
     made = [least]
     for value, offset in zip(values, offsets):
@@ -318,8 +337,7 @@ def require_broadcast_rank(values: tuple, least: int, rank: int, what: str, offs
             made.append(len(squeezed) + more)
         else:
             made.append(value.dim() + offset)
-    if max(made) != rank:
-        raise NotOptimizedForThisCall(_rank_message(max(made), rank, what))
+    return max(made)
 
 
 def require_features(x, weight: torch.Tensor, features: int, dim: int, what: str) -> None:
@@ -498,7 +516,7 @@ def _identity_of_arguments(node, following: dict, gm: fx.GraphModule) -> bool:
 
 # The checks optimize()'s graphs run before any op: where one fails, the optimized model runs its model's forward.
 FIRST_CHECKS = (require_traced_as_tensor, require_argument_rank, require_broadcast_rank, require_argument_dtype,
-                require_tensor_or_number, require_argument_rank_at_least)
+                require_tensor_or_number, require_argument_rank_at_least, require_broadcast_rank_at_least)
 # What a rewritten graph calls beside its fused ops.
 GRAPH_HELPERS = (require_tensor, require_param, require_eval_mode, require_settings, require_matrix, require_rank,
                  require_features, require_out_without_grad, require_rank_at_least, require_dtype, *FIRST_CHECKS,
@@ -750,6 +768,10 @@ def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool,
             if _is_argument(region.x):
                 _check_first(graph, position, require_argument_rank_at_least,
                              (region.x, region.x_rank_at_least, "input"))
+            elif region.x in following:  # (x made of forward arguments: its rank, of theirs and their sizes)
+                made_of, most = following[region.x]
+                _check_first(graph, position, require_broadcast_rank_at_least,
+                             (tuple(made_of), most, region.x_rank_at_least, "input", tuple(made_of.values())))
             graph.call_function(require_rank_at_least, (region.x, region.x_rank_at_least, "input"))
         if _is_argument(region.weight) and not shapes_guarded:
             _check_first(graph, position, require_argument_rank, (region.weight, 2, "weight"))

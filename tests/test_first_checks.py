@@ -205,6 +205,26 @@ def test_the_check_of_a_squeeze_survives_pickling():
         _eager_or_its_error(model, restored, torch.randn(shape))
 
 
+def _minimum_with_a_row_then_add_a_row_param_in_place(m, x, y):
+    h = torch.minimum(m.fc(x.squeeze()), y)
+    h.add_(m.shift)  # (eager raises where h has fewer than 2 dims)
+    return h
+
+
+@pytest.mark.parametrize("example_inputs", [False, True], ids=["no-example-inputs", "example-inputs"])
+def test_an_input_made_by_squeeze_of_too_few_dims_for_an_in_place_op_is_checked_first(example_inputs):
+    """An in-place add of a (1, N) param needs a value of 2 dims or more, which x of 2 dims or more gives
+    (require_rank_at_least); where x.squeeze() is 1-D (an x of (1, 1, K)), a forward argument y of more dims may
+    still give the value its dims, and eager computes: the check of the squeeze's rank ran after it only, and raised
+    fxfuse's error. It runs first, on x's sizes, and hands such a call to the model's own forward."""
+    model = GemmThen(_minimum_with_a_row_then_add_a_row_param_in_place, shift=nn.Parameter(torch.randn(1, OUT)))
+    examples = (torch.randn(3, 1, IN), torch.randn(3, 1, 1)) if example_inputs else None
+    optimized = fxfuse.optimize(model.eval(), examples)
+    assert fused_op_count(optimized) == 1, optimized.fxfuse_report
+    for x_shape, y_shape in (((3, 1, IN), (3, 1, 1)), ((1, 1, IN), (1, 1, 1)), ((1, IN), (1, 1)), ((1, IN), (1,))):
+        _eager_or_its_error(model, optimized, torch.randn(x_shape), torch.randn(y_shape))
+
+
 @pytest.mark.parametrize("forward, shape", [
     (lambda m, x, y: F.group_norm(m.fc((x.transpose_(0, 1), x)[1].squeeze(0)), 5), (4, 1, IN)),
     (lambda m, x, y: F.group_norm(m.fc((x.contiguous().unsqueeze_(0), x)[1].squeeze(0)), 5), (4, IN)),
