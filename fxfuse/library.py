@@ -62,6 +62,14 @@ def run_reference_train(x, weight, bias, params, program):
     return (out.clone() if _shares_memory(out, [gemm_out]) else out), gemm_out
 
 
+def run_reference_fresh(x, weight, bias, params, program):
+    """gemm_epilogue's reference: ``run_reference``'s result as a tensor of its own. An empty program (a pool that
+    folded into the GEMM, alone) returns linear's output, which for an x of 3 dims or more is a view of its 2-D GEMM:
+    autograd forbids changing a custom op's view in place (`h.mul_(s)` after it), where eager's is no custom op's."""
+    out = run_reference(x, weight, bias, params, program)
+    return out.clone() if out._is_view() else out
+
+
 def _logged(reference, name: str):
     """`reference` with a trailing `reason` argument, logged at debug level: the fallback of op `name`."""
 
@@ -359,9 +367,10 @@ def _loading_cuda_kernels(name: str, reference):
 
 _inference = functools.partial(_define, backward=_backward, setup_context=_setup_context)
 _training = functools.partial(_define, backward=_train_backward, setup_context=_setup_train_context)
-_inference("gemm_epilogue", f"({ARGS}) -> Tensor", _loading_cuda_kernels("gemm_epilogue", run_reference),
-           fake=run_reference, autocast=True)
-_inference("gemm_epilogue_fallback", f"({ARGS}, str reason) -> Tensor", _logged(run_reference, "gemm_epilogue"))
+_inference("gemm_epilogue", f"({ARGS}) -> Tensor", _loading_cuda_kernels("gemm_epilogue", run_reference_fresh),
+           fake=run_reference_fresh, autocast=True)
+_inference("gemm_epilogue_fallback", f"({ARGS}, str reason) -> Tensor",
+           _logged(run_reference_fresh, "gemm_epilogue"))
 _training("gemm_epilogue_train", f"({ARGS}) -> (Tensor, Tensor)",
           _loading_cuda_kernels("gemm_epilogue_train", run_reference_train), fake=run_reference_train, autocast=True)
 _training("gemm_epilogue_train_fallback", f"({ARGS}, str reason) -> (Tensor, Tensor)",

@@ -109,6 +109,22 @@ def test_gradients_reach_the_weight_through_the_pool(epilogue, dtype):
     assert_gradients_match(model, optimized, [torch.randn(BATCH, IN, dtype=dtype)])
 
 
+def test_a_pool_alone_of_three_dims_changed_in_place_gives_eagers_gradients():
+    """A pool alone after the GEMM (an empty program) returned linear's output, which for an x of 3 dims is a view of
+    its 2-D GEMM: an in-place op on it made the backward raise autograd's "a view and is being modified inplace"
+    (optimize_hunt seed 222094). The fused op's result is a tensor of its own."""
+    def pool_then_scale_in_place(m, x, y):
+        h = F.avg_pool1d(m.fc(x), 4)
+        h.mul_(y)  # (a number among the example inputs: outside the fused op)
+        return h.relu()
+
+    model = pooled(pool_then_scale_in_place)
+    x = torch.randn(2, BATCH, IN)
+    optimized = fxfuse.optimize(model, [x, 2.0])
+    assert fused_programs(optimized) == [""]
+    assert_gradients_match(model, optimized, [x, 2.0])
+
+
 def test_the_backend_folds_it_too():
     model = pooled(pool_then_max)
     backend = fxfuse.make_backend("eager")
