@@ -605,7 +605,7 @@ def _ranks_following_arguments(gm: fx.GraphModule, canon: dict, mutations: list)
                                 for argument, known in made_of.items()},
                                max(least, most + (offset or 0)) if offset is not None else least)
             continue
-        if c is None or c.problem:
+        if c is None or (c.problem and not _pool_of_its_inputs_rank(gm, node, c)):
             continue
         spec = EPILOGUE_OPS.get(c.op)
         drops_dim = spec is not None and spec.kind == REDUCTION and c.attrs.get("keepdim") is False
@@ -634,6 +634,18 @@ def _ranks_following_arguments(gm: fx.GraphModule, canon: dict, mutations: list)
                 most = max(most - 1, 0)
             following[node] = (made_of, most)
     return following
+
+
+def _pool_of_its_inputs_rank(gm: fx.GraphModule, node: fx.Node, c) -> bool:
+    """Whether `node`, a feature pool refused for its windows (a stride other than its kernel, padding, ceil_mode),
+    still makes a value of its input's rank, as avg_pool1d does: not through a module whose hooks or forward of its
+    own may make something else of it."""
+    if c.op != FEATURE_POOL:
+        return False
+    if node.op != "call_module":
+        return True
+    module = gm.get_submodule(node.target)
+    return type(module) is nn.AvgPool1d and not hooks_of(module)
 
 
 def _keeps_its_operands_shape(c) -> bool:

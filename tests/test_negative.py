@@ -2474,18 +2474,21 @@ def test_without_example_inputs_a_value_made_inside_the_graph_of_another_rank_gi
             assert_close_report(optimized(*inputs), expected)
 
 
-@pytest.mark.parametrize("pool", [
-    lambda m, h: F.avg_pool1d(h, 2),
-    lambda m, h: m.pool(h),
-    lambda m, h: F.avg_pool1d(h.unsqueeze(1), 2).squeeze(1),
-], ids=["F.avg_pool1d", "nn.AvgPool1d", "unsqueezed"])
-def test_without_example_inputs_a_pool_between_two_regions_keeps_its_inputs_rank(pool):
-    """An average pool over the features that does not fold into the GEMM before it (it pools the relu's value)
-    makes a value of its input's rank, as the ops that keep their rank do: the second region's x follows from the
-    input's, and an input of another rank runs the model's own forward (a 3-D one raised fxfuse's error where eager
-    computes)."""
-    model = GemmThen(lambda m, x, y: F.group_norm(m.fc2(pool(m, torch.relu(m.fc(x)))), 4),
-                     fc2=nn.Linear(OUT // 2, OUT), pool=nn.AvgPool1d(2)).eval()
+@pytest.mark.parametrize("pool, width", [
+    (lambda m, h: F.avg_pool1d(torch.relu(h), 2), OUT // 2),
+    (lambda m, h: m.pool(torch.relu(h)), OUT // 2),
+    (lambda m, h: F.avg_pool1d(torch.relu(h).unsqueeze(1), 2).squeeze(1), OUT // 2),
+    (lambda m, h: F.avg_pool1d(torch.relu(h), 2, stride=1), OUT - 1),
+    (lambda m, h: F.avg_pool1d(torch.relu(h), 2, padding=1), OUT // 2 + 1),
+    (lambda m, h: F.avg_pool1d(torch.relu(h).unsqueeze(1), 3, ceil_mode=True).squeeze(1), -(-OUT // 3)),
+], ids=["F.avg_pool1d", "nn.AvgPool1d", "unsqueezed", "stride", "padding", "unsqueezed-ceil_mode"])
+def test_without_example_inputs_a_pool_between_two_regions_keeps_its_inputs_rank(pool, width):
+    """An average pool over the features that does not fold into the GEMM before it (it pools the relu's value, or
+    its windows do not tile the features) makes a value of its input's rank, as the ops that keep their rank do: the
+    second region's x follows from the input's, and an input of another rank runs the model's own forward (a 3-D one
+    raised fxfuse's error where eager computes)."""
+    model = GemmThen(lambda m, x, y: F.group_norm(m.fc2(pool(m, m.fc(x))), 4),
+                     fc2=nn.Linear(width, OUT), pool=nn.AvgPool1d(2)).eval()
     optimized = fxfuse.optimize(model)
     assert fused_op_count(optimized) == 2
     with torch.no_grad():
