@@ -516,7 +516,8 @@ class _Growth:
             rank -= 1
         if c.dtypes is not None:
             self.dtypes.append((c.dtypes, len(self.members), c.op))
-        if any(isinstance(o, SizeExpression) for o in c.operands):
+        # (a normalized_shape of the features: the program normalizes over the last dim, whatever its size)
+        if any(isinstance(o, SizeExpression) for o in c.operands) or c.attrs.get("normalized_size") is not None:
             self.feature_reads.append(len(self.members))
         if c.attrs.get("writes_out"):
             self.out_writes.append((len(self.members), c.op, len(self.params)))

@@ -342,12 +342,13 @@ def _broadcast_rank(values: tuple, least: int, offsets: tuple | None) -> int:
 
 def require_features(x, weight: torch.Tensor, features: int, dim: int, what: str) -> None:
     """Called by optimize()'s rewritten graphs before a fused op whose program holds numbers computed from the GEMM's
-    feature count (`h * h.size(-1) ** -0.5`): the weight, dim `dim` of which is the features, still has that many.
+    feature count (`h * h.size(-1) ** -0.5`) or a norm whose normalized_shape is the features (which the program
+    normalizes over the last dim, of any size): the weight, dim `dim` of which is the features, still has that many.
     (Dynamo guards the weight's shape itself.) `x`: as require_eval_mode's."""
     if weight.shape[dim] != features:
         raise RuntimeError(f"fxfuse: the weight {what} had {features} features when it was fused, and its fused op "
-                           f"holds numbers computed from them (`h.size(-1)`); it now has {weight.shape[dim]}: run "
-                           "fxfuse.optimize() on the model again")
+                           f"holds numbers computed from them (`h.size(-1)`, a normalized_shape); it now has "
+                           f"{weight.shape[dim]}: run fxfuse.optimize() on the model again")
 
 
 def require_rank_at_least(tensor: torch.Tensor, rank: int, what: str) -> None:

@@ -627,6 +627,21 @@ def test_number_read_from_the_features_raises_once_the_weight_has_other_features
         optimized(torch.randn(BATCH, IN))
 
 
+@pytest.mark.parametrize("norm", [lambda h: F.layer_norm(h, (OUT,)), lambda h: F.rms_norm(h, [OUT])],
+                         ids=["layer_norm", "rms_norm"])
+def test_a_normalized_shape_of_the_features_raises_once_the_weight_has_other_features(norm):
+    """The program normalizes over the last dim, whatever its size, where eager's normalized_shape is (40,): a weight
+    of another width raises, as eager does, instead of normalizing over its features (it returned a result)."""
+    model = GemmThen(linear_then(norm)).eval()
+    optimized = assert_whole_chain_fused(model, (torch.randn(BATCH, IN),))
+    model.fc.weight = nn.Parameter(torch.randn(OUT - 8, IN))
+    model.fc.bias = nn.Parameter(torch.randn(OUT - 8))
+    with pytest.raises(RuntimeError, match="expected input with shape"):
+        model(torch.randn(BATCH, IN))
+    with pytest.raises(RuntimeError, match="had 40 features when it was fused"):
+        optimized(torch.randn(BATCH, IN))
+
+
 def written_into_itself(op, *args):
     """`op(h, *args, out=h)` after the GEMM, then h read again: the op's in-place form."""
     def epilogue(m, x, y):
