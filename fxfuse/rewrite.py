@@ -448,7 +448,10 @@ def require_pool_channels(x: torch.Tensor, weight: torch.Tensor, kernel: int) ->
 def mean_of_row_groups(tensor: torch.Tensor, size: int) -> torch.Tensor:
     """Called by rewritten graphs for a GEMM whose output is average-pooled over its features (match's feature pool):
     the GEMM's (N, K) weight, or its (N,) bias, with each `size` consecutive rows averaged (a partial group at the end
-    dropped, as avg_pool1d drops a partial window). The mean accumulates in fp32 for 16-bit tensors."""
+    dropped, as avg_pool1d drops a partial window). The mean accumulates in fp32 for 16-bit tensors. Fewer rows than
+    `size` (a weight replaced after optimize()) raise eager's pool error: it has no window."""
+    if tensor.shape[0] < size:
+        torch.avg_pool1d(tensor.new_empty(1, 1, tensor.shape[0]), size)
     groups = tensor.shape[0] // size
     return tensor[:groups * size].unflatten(0, (groups, size)).mean(1)
 

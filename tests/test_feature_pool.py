@@ -281,3 +281,17 @@ def test_a_second_pool_of_the_gemm_output_says_it_reads_no_value_of_the_fused_op
     assert_reason(optimized, "`avg_pool1d_1` pools `fc`, of which the fused op computes no value")
     with torch.no_grad():
         assert_close_report(optimized(x), model(x))
+
+
+@pytest.mark.parametrize("epilogue", [pool_module, pool_module_on_rows], ids=lambda f: f.__name__)
+def test_a_weight_of_fewer_rows_than_the_kernel_raises_as_eager(epilogue):
+    """A module weight replaced after optimize() by one of fewer rows than the pool's kernel: eager's pool raises (no
+    window), where the averaged weight had no rows and the fused op gave an empty result."""
+    model = pooled(epilogue)
+    optimized = fxfuse.optimize(model)
+    model.fc.weight, model.fc.bias = nn.Parameter(torch.randn(2, IN)), nn.Parameter(torch.randn(2))
+    x = torch.randn(BATCH, IN)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="Output size is too small"):
+        model(x)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="Output size is too small"):
+        optimized(x)
