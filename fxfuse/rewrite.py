@@ -843,9 +843,12 @@ def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool,
             pair = graph.call_function(gemm_epilogue_train, args)
             fused = graph.call_function(operator.getitem, (pair, 0))
             _copy_meta(pair, region.output, ("nn_module_stack", "stack_trace"))
-            for key in ("val", "example_value"):  # the GEMM output has the anchor's shape and dtype
+            for key in ("val", "example_value"):  # the GEMM output has the anchor's shape (pooled) and dtype
                 if key in region.output.meta and key in region.anchor.meta:
-                    pair.meta[key] = (region.output.meta[key], region.anchor.meta[key])
+                    gemm_out = region.anchor.meta[key]
+                    if region.pool is not None:
+                        gemm_out = gemm_out.narrow(-1, 0, gemm_out.shape[-1] // region.pool)
+                    pair.meta[key] = (region.output.meta[key], gemm_out)
         else:
             fused = graph.call_function(gemm_epilogue, args)
     _copy_meta(fused, region.output, ("val", "tensor_meta", "example_value", "nn_module_stack", "stack_trace"))

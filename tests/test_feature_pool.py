@@ -295,3 +295,12 @@ def test_a_weight_of_fewer_rows_than_the_kernel_raises_as_eager(epilogue):
         model(x)
     with torch.no_grad(), pytest.raises(RuntimeError, match="Output size is too small"):
         optimized(x)
+
+
+def test_the_training_ops_gemm_output_is_recorded_of_the_pooled_width():
+    """The rewritten graph's record of gemm_epilogue_train's (out, gemm_out): the folded GEMM computes N / k
+    features, not the anchor's N."""
+    model = pooled(pool_module).train()
+    optimized = fxfuse.optimize(model, [torch.randn(BATCH, IN)])
+    (pair,) = [n for n in optimized.graph.nodes if n.target is torch.ops.fxfuse.gemm_epilogue_train.default]
+    assert pair.meta["val"][1].shape == (BATCH, OUT // 4)
