@@ -549,9 +549,12 @@ class _Growth:
         if pooled in self.member_set and pooled not in self.value:  # (a second pool of the GEMM's output)
             return (f"{describe(node)} pools {describe(pooled)}, of which the fused op computes no value (the GEMM's "
                     "output before a pool that its weight took)")
-        biases = self.bias_adds()
-        if self.value.get(pooled) != len(self.instructions) or biases is None or \
-                self.pool is not None:
+        biases, at = self.bias_adds(), self.value.get(pooled)
+        if at is not None and at < len(self.instructions) and self.bias_adds(at) is not None and self.pool is None:
+            return (f"{describe(node)} pools {describe(pooled)} after other ops of the region: only a pool that comes "
+                    "first (after adds of biases of the GEMM's features) folds into its weight, as the fused op then "
+                    "computes the pooled values alone")
+        if at != len(self.instructions) or biases is None or self.pool is not None:
             return (f"{describe(node)} pools a value the region computed: only the GEMM's own output, or it plus "
                     "biases of its features, folds into its weight")
         kernel = c.attrs["kernel"]
@@ -584,12 +587,12 @@ class _Growth:
         self.value[node] = len(self.instructions)
         return None
 
-    def bias_adds(self) -> tuple[int, ...] | None:
-        """The params of the program so far where each of its instructions adds a module tensor of the GEMM's
-        features, (N,), to the value before it (`x @ W.t() + b`): a pool of their sum is the sum of their pools, so
-        they pool with the weight (their param indices); None where another op came first."""
+    def bias_adds(self, count: int | None = None) -> tuple[int, ...] | None:
+        """The params of the program so far (of its first `count` instructions) where each instruction adds a module
+        tensor of the GEMM's features, (N,), to the value before it (`x @ W.t() + b`): a pool of their sum is the sum
+        of their pools, so they pool with the weight (their param indices); None where another op came first."""
         params = []
-        for index, instruction in enumerate(self.instructions):
+        for index, instruction in enumerate(self.instructions[:count]):
             operands = set(instruction.operands)
             param = next((o for o in operands if isinstance(o, Param)), None)
             tensor = None if param is None else self.facts.tensor(self.params[param.index])

@@ -304,3 +304,19 @@ def test_the_training_ops_gemm_output_is_recorded_of_the_pooled_width():
     optimized = fxfuse.optimize(model, [torch.randn(BATCH, IN)])
     (pair,) = [n for n in optimized.graph.nodes if n.target is torch.ops.fxfuse.gemm_epilogue_train.default]
     assert pair.meta["val"][1].shape == (BATCH, OUT // 4)
+
+
+@pytest.mark.parametrize("epilogue, pooled_value", [
+    (lambda m, x, y: (lambda h: h.relu().sum(-1, keepdim=True) + F.avg_pool1d(h, 4))(m.fc(x)), "fc"),
+    (lambda m, x, y: (lambda h: h.sigmoid() * 2 + m.pool(h.unsqueeze(1)).squeeze(1).repeat(1, 4))(m.fc(x) + m.shift),
+     "add"),
+], ids=["gemm_output", "plus_a_bias"])
+def test_a_pool_after_other_ops_says_the_pool_must_come_first(epilogue, pooled_value):
+    """`h.relu().sum(-1, keepdim=True) + pool(h)`: the relu read h first, and explain() said the pool 'pools a value the
+    region computed: only the GEMM's own output ... folds', of the GEMM's own output."""
+    model = pooled(epilogue)
+    x = torch.randn(BATCH, IN)
+    optimized = fxfuse.optimize(model, [x])
+    assert_reason(optimized, f"pools `{pooled_value}` after other ops of the region: only a pool that comes first")
+    with torch.no_grad():
+        assert_close_report(optimized(x), model(x))
