@@ -2,8 +2,7 @@
 
 Entry points: ``assert_fuses(model, inputs, regions=1)``, ``assert_not_fused(model, inputs)``,
 ``fused_op_count(module)``, ``exported_ops_reading_inputs(program)``, ``assert_close_report(actual, expected)``,
-and for training
-``gradients(model, inputs, params)`` and ``assert_gradients_match(model, candidate, inputs)``.
+and for training ``gradients(model, inputs, params)`` and ``assert_gradients_match(model, candidate, inputs)``.
 """
 from __future__ import annotations
 
