@@ -567,11 +567,12 @@ def _ranks_following_arguments(gm: fx.GraphModule, canon: dict, mutations: list)
     argument's rank does not count). These are values made of arguments, numbers and module tensors by ops that keep
     their value's rank (pointwise ops, no-ops, norms, reductions that keep the dim, average pools over the features,
     folded or not, and GEMMs with a module weight: an x of 1 dim or more keeps its rank; the most dims of their
-    operands, module tensors' included), and by ops that change it by a fixed amount: a reduction over one dim without keepdim (one fewer, of 1 dim or more),
-    canonicalize.rank_change's (`unsqueeze`, `flatten`); and a squeeze of an argument, or of what ops that keep
-    its shape, squeezes and unsqueezes make of it alone (`x.relu().squeeze(0)`, `x.unsqueeze(1).squeeze(0)`), whose
-    rank the argument's sizes tell (an offset (SQUEEZED, dims, more[, steps])), where no op before it may change the
-    argument in place (`x.t_()`: the sizes the first checks see are the call's). `mutations`: Facts.mutations'."""
+    operands, module tensors' included), and by ops that change it by a fixed amount: a reduction over one dim
+    without keepdim (one fewer, of 1 dim or more), canonicalize.rank_change's (`unsqueeze`, `flatten`); and a squeeze
+    of an argument, or of what ops that keep its shape, squeezes and unsqueezes make of it alone
+    (`x.relu().squeeze(0)`, `x.unsqueeze(1).squeeze(0)`), whose rank the argument's sizes tell (an offset (SQUEEZED,
+    dims, more[, steps])), where no op before it may change the argument in place (`x.t_()`: the sizes the first
+    checks see are the call's). `mutations`: Facts.mutations'."""
     following = {}
     changing = dict(mutations)
     made_from = {}  # node -> the arguments it is made of (any of which it may be, `x.contiguous()`)
