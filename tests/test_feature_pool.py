@@ -172,17 +172,28 @@ def test_a_bias_read_again_after_the_pool_is_not_the_averaged_one():
         fxfuse.optimize(wider, [x])(x)
 
 
-def test_the_gemm_output_read_beside_its_pool_does_not_fold():
-    """The pooled GEMM computes no unpooled output: `h.sum()` beside `pool(h)` read the pooled value as the GEMM's
-    (a silent wrong result)."""
-    def pool_and_sum(m, x, y):
-        h = m.fc(x)
-        return F.avg_pool1d(h, 4).sum(-1, keepdim=True) + h.sum(-1, keepdim=True)
+def pool_and_sum(m, x, y):
+    h = m.fc(x)
+    return F.avg_pool1d(h, 4).sum(-1, keepdim=True) + h.sum(-1, keepdim=True)
 
-    model = GemmThen(pool_and_sum).eval()
+
+def two_pools(m, x, y):
+    h = m.fc(x)
+    return F.avg_pool1d(h, 4).sum(-1) + F.avg_pool1d(h, 2).sum(-1)
+
+
+@pytest.mark.parametrize("epilogue, reason", [
+    (pool_and_sum, "of which the fused op computes no value"),
+    (two_pools, "`avg_pool1d_1` pools `fc`, of which the fused op computes no value"),
+], ids=["sum_beside_the_pool", "a_second_pool"])
+def test_the_gemm_output_read_beside_its_pool_does_not_fold(epilogue, reason):
+    """The pooled GEMM computes no unpooled output: `h.sum()` beside `pool(h)` read the pooled value as the GEMM's
+    (a silent wrong result); in `pool(h, 4) + pool(h, 2)` the first folds into the weight, so the fused op computes
+    no h for the second."""
+    model = GemmThen(epilogue).eval()
     x = torch.randn(BATCH, IN)
     optimized = fxfuse.optimize(model, [x])
-    assert_reason(optimized, "of which the fused op computes no value")
+    assert_reason(optimized, reason)
     with torch.no_grad():
         assert_close_report(optimized(x), model(x))
 
@@ -267,20 +278,6 @@ def test_an_empty_input_raises_where_eager_pool_reads_no_channels(epilogue, shap
                 assert str(fused.value) == str(error)
             else:
                 assert_close_report(optimized(x), expected)
-
-
-def test_a_second_pool_of_the_gemm_output_says_it_reads_no_value_of_the_fused_op():
-    """`pool(h, 4) + pool(h, 2)`: the first folds into the weight, so the fused op computes no h for the second."""
-    def two_pools(m, x, y):
-        h = m.fc(x)
-        return F.avg_pool1d(h, 4).sum(-1) + F.avg_pool1d(h, 2).sum(-1)
-
-    model = GemmThen(two_pools).eval()
-    x = torch.randn(BATCH, IN)
-    optimized = fxfuse.optimize(model, [x])
-    assert_reason(optimized, "`avg_pool1d_1` pools `fc`, of which the fused op computes no value")
-    with torch.no_grad():
-        assert_close_report(optimized(x), model(x))
 
 
 @pytest.mark.parametrize("epilogue", [pool_module, pool_module_on_rows], ids=lambda f: f.__name__)
