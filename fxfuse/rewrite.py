@@ -340,15 +340,21 @@ def _broadcast_rank(values: tuple, least: int, offsets: tuple | None) -> int:
     return max(made)
 
 
-def require_features(x, weight: torch.Tensor, features: int, dim: int, what: str) -> None:
+def require_features(x, weight: torch.Tensor, features: int, dim: int, what: str, pool: int = 1) -> None:
     """Called by optimize()'s rewritten graphs before a fused op whose program holds numbers computed from the GEMM's
     feature count (`h * h.size(-1) ** -0.5`) or a norm whose normalized_shape is the features (which the program
     normalizes over the last dim, of any size): the weight, dim `dim` of which is the features, still has that many.
+    `pool`: the kernel of a feature pool folded into the GEMM, whose output has the weight's rows // pool features
+    (fewer rows than the kernel are left to mean_of_row_groups, which raises eager's pool error).
     (Dynamo guards the weight's shape itself.) `x`: as require_eval_mode's."""
-    if weight.shape[dim] != features:
-        raise RuntimeError(f"fxfuse: the weight {what} had {features} features when it was fused, and its fused op "
-                           f"holds numbers computed from them (`h.size(-1)`, a normalized_shape); it now has "
-                           f"{weight.shape[dim]}: run fxfuse.optimize() on the model again")
+    rows = weight.shape[dim]
+    if pool > 1 and rows < pool:
+        return  # (no window: mean_of_row_groups raises eager's pool error)
+    if rows // pool != features:
+        pooled = f" (its rows averaged by {pool})" if pool > 1 else ""
+        raise RuntimeError(f"fxfuse: the weight {what} had {features} features{pooled} when it was fused, and its "
+                           f"fused op holds numbers computed from them (`h.size(-1)`, a normalized_shape); it now has "
+                           f"{rows // pool}: run fxfuse.optimize() on the model again")
 
 
 def require_rank_at_least(tensor: torch.Tensor, rank: int, what: str) -> None:
@@ -810,8 +816,11 @@ def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool,
         weight = _tensor_node(graph, region.weight)
         if region.reads_features and not shapes_guarded:
             path, dim = module_tensor_path(region.weight), 1 if region.transpose_weight else 0
-            features = module_tensor(gm, path).shape[dim]
-            graph.call_function(require_features, (region.x, weight, features, dim, f"`{path}`"))
+            # (of a folded pool, the pooled width: the program's numbers are of it)
+            pool = region.pool or 1
+            features = module_tensor(gm, path).shape[dim] // pool
+            graph.call_function(require_features, (region.x, weight, features, dim, f"`{path}`",
+                                                   *((pool,) if pool > 1 else ())))
         if region.transpose_weight:
             weight = graph.call_function(torch.t, (weight,))
         params = [graph.call_function(number_as_tensor, (p, _taking_no_number(region.program, k),

@@ -317,3 +317,34 @@ def test_a_pool_after_other_ops_says_the_pool_must_come_first(epilogue, pooled_v
     assert_reason(optimized, f"pools `{pooled_value}` after other ops of the region: only a pool that comes first")
     with torch.no_grad():
         assert_close_report(optimized(x), model(x))
+
+
+def pool_then_layer_norm(m, x, y):
+    return F.layer_norm(m.pool(m.fc(x)), (OUT // 4,))
+
+
+def pool_then_size_scale(m, x, y):
+    h = m.pool(m.fc(x))
+    return h * h.size(-1) ** -0.5
+
+
+@pytest.mark.parametrize("epilogue", [pool_then_layer_norm, pool_then_size_scale], ids=lambda f: f.__name__)
+def test_a_weight_of_other_rows_of_the_same_pooled_width_runs_as_eager(epilogue):
+    """The program's numbers of the features (a normalized_shape, `h.size(-1)`) are of the pooled width, N // k: a
+    module weight replaced after optimize() by one of other rows that pool to that width (41 // 4 == 40 // 4) runs as
+    eager does (it raised fxfuse's 'had 40 features'); one of another pooled width still raises, as eager may; and
+    one of fewer rows than the kernel raises eager's pool error."""
+    model = pooled(epilogue)
+    optimized = fxfuse.optimize(model)
+    x = torch.randn(BATCH, IN)
+    model.fc.weight, model.fc.bias = nn.Parameter(torch.randn(OUT + 1, IN)), nn.Parameter(torch.randn(OUT + 1))
+    with torch.no_grad():
+        assert_close_report(optimized(x), model(x))
+    model.fc.weight, model.fc.bias = nn.Parameter(torch.randn(OUT - 4, IN)), nn.Parameter(torch.randn(OUT - 4))
+    with torch.no_grad(), pytest.raises(RuntimeError, match="had 10 features"):
+        optimized(x)
+    model.fc.weight, model.fc.bias = nn.Parameter(torch.randn(2, IN)), nn.Parameter(torch.randn(2))
+    with torch.no_grad(), pytest.raises(RuntimeError, match="Output size is too small"):
+        model(x)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="Output size is too small"):
+        optimized(x)
