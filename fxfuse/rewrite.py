@@ -462,6 +462,18 @@ def mean_of_row_groups(tensor: torch.Tensor, size: int) -> torch.Tensor:
     return tensor[:groups * size].unflatten(0, (groups, size)).mean(1)
 
 
+def mean_of_feature_groups(tensor: torch.Tensor, size: int, weight: torch.Tensor) -> torch.Tensor:
+    """Called by rewritten graphs for a tensor that a GEMM output adds before its average pool over the features (its
+    bias, a module tensor of its features), averaged as the pool averages the sum: over its last dim in groups of
+    `size` where that dim is the features, the (N, K) `weight`'s rows; as it is where it broadcasts over them (0-d, or
+    a last dim of 1: each window's mean is that value). Another size raises, as eager's add does. Its leading dims
+    (a (B, N) tensor, which eager broadcasts across rows) are kept."""
+    if tensor.dim() == 0 or tensor.shape[-1] == 1:
+        return tensor
+    torch.broadcast_shapes(tensor.shape, weight.shape[:1])  # (other features than the weight's: eager raises)
+    return mean_of_row_groups(tensor.movedim(-1, 0), size).movedim(0, -1)
+
+
 def number_as_tensor(value, refused_by: tuple = (), reads: tuple = ()):
     """Called by rewritten graphs for a forward argument that the matcher took for a tensor (optimize()'s: a number
     may be passed where the example input was a tensor) or that it could not tell without example inputs: a number
@@ -531,7 +543,7 @@ FIRST_CHECKS = (require_traced_as_tensor, require_argument_rank, require_broadca
 GRAPH_HELPERS = (require_tensor, require_param, require_eval_mode, require_settings, require_matrix, require_rank,
                  require_features, require_out_without_grad, require_rank_at_least, require_dtype, *FIRST_CHECKS,
                  require_no_function_transform, number_as_tensor, require_pool_channels, mean_of_row_groups,
-                 augmented_assignment)
+                 mean_of_feature_groups, augmented_assignment)
 
 
 def _copy_meta(node: fx.Node, source: fx.Node, keys) -> None:
@@ -832,11 +844,13 @@ def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool,
         if region.pool is not None and region.pool_reads_rows and not shapes_guarded:
             graph.call_function(require_pool_channels, (region.x, weight, region.pool))
         if region.pool is not None:
+            unpooled_weight = weight
             weight = graph.call_function(mean_of_row_groups, (weight, region.pool))
+            # (the tensors added before the pool: of the weight's features, or broadcast over them, at a later call)
             if bias is not None:
-                bias = graph.call_function(mean_of_row_groups, (bias, region.pool))
+                bias = graph.call_function(mean_of_feature_groups, (bias, region.pool, unpooled_weight))
             for k in region.pooled_params:
-                params[k] = graph.call_function(mean_of_row_groups, (params[k], region.pool))
+                params[k] = graph.call_function(mean_of_feature_groups, (params[k], region.pool, unpooled_weight))
         if region.out_write is not None and not shapes_guarded:
             op, read = region.out_write
             graph.call_function(require_out_without_grad, (region.x, op, [weight, bias, *params[:read]]))

@@ -16,7 +16,7 @@ import torch.nn as nn
 import fxfuse
 from fxfuse.backend import FxfuseBackend, fxfuse_backend
 from fxfuse.modelfile import example_files, load_model_file
-from fxfuse.rewrite import mean_of_row_groups
+from fxfuse.rewrite import mean_of_feature_groups, mean_of_row_groups
 from fxfuse.testing import assert_close_report, assert_gradients_match
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
@@ -78,7 +78,8 @@ def test_examples_become_one_fused_op_in_dynamos_graph(name):
     with torch.no_grad():
         assert_close_report(compiled(*inputs), model(*inputs))
     assert len(recorder.graphs) == 1
-    targets = [t for t in recorder.targets() if t is not mean_of_row_groups]  # (a pool's weight, before the op)
+    # (a pool's weight and bias, averaged before the op)
+    targets = [t for t in recorder.targets() if t not in (mean_of_row_groups, mean_of_feature_groups)]
     assert targets == [gemm_epilogue], f"left beside the fused op: {targets}"
 
 

@@ -348,3 +348,33 @@ def test_a_weight_of_other_rows_of_the_same_pooled_width_runs_as_eager(epilogue)
         model(x)
     with torch.no_grad(), pytest.raises(RuntimeError, match="Output size is too small"):
         optimized(x)
+
+
+def pool_of_a_submodules_shift(m, x, y):
+    return m.pool(m.fc(x) + m.holder.shift).relu()
+
+
+@pytest.mark.parametrize("epilogue, replaced", [
+    (pool_module, "fc.bias"), (pool_of_a_submodules_shift, "holder.shift"), (pool_of_a_submodules_shift, "fc.bias"),
+])
+@pytest.mark.parametrize("shape", [(1,), (), (1, OUT), (BATCH, OUT), (OUT + 1,), (OUT - 1,)], ids=str)
+def test_a_tensor_added_before_the_pool_replaced_by_one_of_another_shape_computes_as_eager(epilogue, replaced, shape):
+    """A bias, or a module tensor added before the pool, replaced after optimize() by one of another shape: one that
+    eager broadcasts over the features ((1,), a 0-d one) or across rows ((1, N), (B, N)) gives eager's result (it was
+    averaged over its first dim as the weight's rows, and raised 'Output size is too small' where eager runs); one of
+    other features (N + 1, of the same pooled width) raises as eager does (it ran)."""
+    model = GemmThen(epilogue, pool=nn.AvgPool1d(4), holder=nn.Module()).eval()
+    model.holder.shift = nn.Parameter(torch.randn(OUT))
+    optimized = fxfuse.optimize(model)
+    assert fused_op_count(optimized) == 1
+    module, name = replaced.split(".")
+    setattr(getattr(model, module), name, nn.Parameter(torch.randn(shape)))
+    x = torch.randn(BATCH, IN)
+    with torch.no_grad():
+        try:
+            expected = model(x)
+        except RuntimeError:
+            with pytest.raises(RuntimeError):
+                optimized(x)
+        else:
+            assert_close_report(optimized(x), expected)
