@@ -869,8 +869,8 @@ def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool,
             for key in ("val", "example_value"):  # the GEMM output has the anchor's shape (pooled) and dtype
                 if key in region.output.meta and key in region.anchor.meta:
                     gemm_out = region.anchor.meta[key]
-                    if region.pool is not None:
-                        gemm_out = gemm_out.narrow(-1, 0, gemm_out.shape[-1] // region.pool)
+                    if region.pool is not None:  # (a tensor of its own, as the op returns: contiguous)
+                        gemm_out = gemm_out.new_empty((*gemm_out.shape[:-1], gemm_out.shape[-1] // region.pool))
                     pair.meta[key] = (region.output.meta[key], gemm_out)
         else:
             fused = graph.call_function(gemm_epilogue, args)

@@ -301,6 +301,7 @@ def test_the_training_ops_gemm_output_is_recorded_of_the_pooled_width():
     optimized = fxfuse.optimize(model, [torch.randn(BATCH, IN)])
     (pair,) = [n for n in optimized.graph.nodes if n.target is torch.ops.fxfuse.gemm_epilogue_train.default]
     assert pair.meta["val"][1].shape == (BATCH, OUT // 4)
+    assert pair.meta["val"][1].is_contiguous()  # (as the op's: not a narrowed view of the anchor's N features)
 
 
 @pytest.mark.parametrize("epilogue, pooled_value", [
