@@ -664,10 +664,8 @@ def _pool_of_its_inputs_rank(gm: fx.GraphModule, node: fx.Node, c) -> bool:
     own may make something else of it."""
     if c.op != FEATURE_POOL:
         return False
-    if node.op != "call_module":
-        return True
-    module = gm.get_submodule(node.target)
-    return type(module) is nn.AvgPool1d and not hooks_of(module)
+    modules = [gm.get_submodule(n.target) for n in (node, *c.covers) if n.op == "call_module"]  # (covers: unsqueezed)
+    return all(type(m) is nn.AvgPool1d and not hooks_of(m) and "forward" not in vars(m) for m in modules)
 
 
 def _keeps_its_operands_shape(c) -> bool:
