@@ -3,14 +3,16 @@
 Each seed builds one small random model: a Linear (``nn.Linear``, ``F.linear`` with parameters, or ``x @ W.t()``)
 followed by a chain of 1-5 epilogue ops of fxfuse's vocabulary (activations with random scalars, arithmetic with
 numbers, parameters, buffers and a second forward argument that broadcasts, norms, eval/train BatchNorm, row
-reductions and softmax, now and then a second Linear, an op over other dims than the features, a cast or a mask)
-in random spellings (module, ``F.*``, ``torch.*``, method, in-place method, operator, view, ``out=``, keywords or
-positional). Each model also gets random scenario features: a graph break in the middle, ``torch.no_grad()`` around
-part of the chain, a Python float passed as a forward argument, ``dynamic=True/None`` with several batch sizes (0
-and 1 too) and sequence lengths, an ``autograd.Function`` in the chain, an intermediate returned beside the output,
-the inner compiler (eager, aot_eager, rarely Inductor), train / eval / inference mode or grad mode changing between
-calls, float32 / bfloat16, ``torch.autocast("cpu", torch.bfloat16)``, frozen parameters, a transposed input, and
-between calls a module float changed, an optimizer-like step, a parameter frozen or train() <-> eval().
+reductions and softmax, now and then a second Linear, an op over other dims than the features, a cast or a mask, or
+an average pool over the features: optimize_hunt's ``draw_pool``, right after the GEMM or its bias adds, where fxfuse
+folds it, or later in the chain, where it does not) in random spellings (module, ``F.*``, ``torch.*``, method,
+in-place method, operator, view, ``out=``, keywords or positional). Each model also gets random scenario features: a
+graph break in the middle, ``torch.no_grad()`` around part of the chain, a Python float passed as a forward argument,
+``dynamic=True/None`` with several batch sizes (0 and 1 too) and sequence lengths, an ``autograd.Function`` in the
+chain, an intermediate returned beside the output, the inner compiler (eager, aot_eager, rarely Inductor), train /
+eval / inference mode or grad mode changing between calls, float32 / bfloat16, ``torch.autocast("cpu",
+torch.bfloat16)``, frozen parameters, a transposed input, and between calls a module float changed, an optimizer-like
+step, a parameter frozen or train() <-> eval().
 
 The model is compiled with ``fxfuse.make_backend(inner=...)`` and compared with eager: the outputs of each call and,
 with grad on, the gradients of the inputs and parameters, then the buffers and the arguments (which the forward
@@ -55,6 +57,7 @@ import torch.nn.functional as F
 
 import fxfuse
 from fxfuse.testing import DEFAULT_TOLERANCE, assert_close_report
+from optimize_hunt import draw_pool  # (dev/ is the script's directory, so on sys.path)
 
 # Tolerances per dtype for a compiled result against eager's (float32: a little above fxfuse's default, as
 # Inductor's and the reference's roundings differ from eager's by a few ulps through a chain of ops).
@@ -131,8 +134,10 @@ class Generator:
     features were reduced away).
     """
 
-    def __init__(self, rng: random.Random, n: int, rank: int, second_input, float_argument: bool):
+    def __init__(self, rng: random.Random, n: int, rank: int, second_input, float_argument: bool,
+                 pool_rng: random.Random):
         self.rng = rng
+        self.pool_rng = pool_rng  # draws the pools over the features apart, so a model without one is as it was
         self.n = n
         self.rank = rank
         self.second_input = second_input
@@ -146,6 +151,7 @@ class Generator:
         self.module_floats: list[str] = []  # "module.attribute" floats of generated modules
         self.final_lines: list[str] = []  # statements before the return (a buffer's in-place update)
         self.ops = 0
+        self.pools: list[str] = []  # the pools drawn, for the summary
 
     # -- helpers
     def new_name(self, prefix: str) -> str:
@@ -403,6 +409,19 @@ class Generator:
         self.state = {"h.sum(-1, dtype=torch.float64)": "reduced"}.get(self.forward_lines[-1].split(" = ", 1)[-1],
                                                                          self.state)
 
+    def pool(self) -> None:
+        """An average pool over the features (optimize_hunt's draw_pool), drawn with pool_rng: never on an unsqueezed
+        3-D value (a 4-D one, where eager raises). The later ops take its width."""
+        pool = draw_pool(self.pool_rng, self.n, lambda: self.new_name("m"), can_unsqueeze=self.rank == 2)
+        self.init_lines += pool.init_lines
+        for line in pool.forward_lines:
+            self.emit(line)
+        self.ops += 1
+        self.pools.append(pool.step)
+        if pool.features != self.n:
+            self.n, self.saved_full = pool.features, []
+            self.second_input = None  # its shape fits the GEMM's features
+
     def gemm(self) -> None:
         """A second Linear on the chain's value: its own region starts there."""
         n = self.rng.choice(range(3, 33))
@@ -412,6 +431,8 @@ class Generator:
 
     def step(self) -> None:
         r = self.rng
+        if self.state == "full" and self.pool_rng.random() < 0.03:  # a pool in the chain: it does not fold
+            self.pool()
         if self.state == "full":
             kinds = {"unary": 5, "arithmetic": 4, "norm": 2, "reduction": 2, "residual": 1, "gemm": 0.5, "buffer": 0.5}
             if self.rank == 2:
@@ -438,7 +459,7 @@ def generate(seed: int) -> Case:
         second_input = r.choice([(n,), (1, n), ("B", n), (2, 1, n), (3, "B", n), (1,)] if rank == 2 else
                                 [(n,), ("T", n), ("B", 1, n), ("B", "T", n), (1, 1, n), (2, "B", 1, n)])
     float_argument = r.random() < 0.2
-    gen = Generator(r, n, rank, second_input, float_argument)
+    gen = Generator(r, n, rank, second_input, float_argument, random.Random(seed + 3_000_017))
 
     features = []
     chain_length = r.randint(1, 5)
@@ -462,6 +483,10 @@ def generate(seed: int) -> Case:
         else:
             gen.emit("h = x @ self.weight.t()" + (" + self.bias" if bias else ""))
     features.append(linear_kind)
+    if gen.pool_rng.random() < 0.15:
+        if gen.pool_rng.random() < 0.25:  # another bias of the features first, which a folded pool averages too
+            gen.emit(f"h = h + {gen.param((n,))}")
+        gen.pool()
 
     for position in range(chain_length + 1):
         if no_grad_span and position == no_grad_span[1]:
@@ -486,6 +511,7 @@ def generate(seed: int) -> Case:
                           for line in gen.final_lines]
     if gen.forward_lines[-1].strip().startswith("with "):
         gen.emit("pass")
+    features += gen.pools
     if returns_intermediate and gen.saved_full:
         gen.emit(f"return h, {gen.saved_full[0]}")
         features.append("returns_intermediate")

@@ -120,6 +120,81 @@ class ModuleCall:
     stem: str = "act"
 
 
+# ------------------------------------------------------------------------------------ a pool over the features
+# (shared with dev/compile_hunt.py)
+
+@dataclass
+class Pool:
+    """A drawn average pool over the features of the chain's value `h`."""
+    init_lines: list[str]     # the construction of its module, where it is spelled as one
+    forward_lines: list[str]  # the lines that pool `h`
+    features: int             # the width after it (its input's, where eager raises at it)
+    step: str                 # a short name, for the summary
+
+
+def draw_pool(r: random.Random, features: int, module_name, fit_input=None, can_unsqueeze: bool = True) -> Pool:
+    """An average pool over the `features` of `h` in a random spelling (nn.AvgPool1d, F.avg_pool1d,
+    torch.avg_pool1d; on the value, or between `unsqueeze(1)` and `squeeze(1)`). Its windows tile the features
+    (fxfuse folds it into a GEMM right before it), or now and then do not: another stride, padding or ceil_mode (it
+    must not fold); its kernel divides the features or not (a partial window is dropped), or exceeds them.
+
+    module_name() names its module, where it is one; fit_input(unsqueezed) may change the model's input to fit the
+    pool; without can_unsqueeze the pool is never on an unsqueezed value (the draws stay the same)."""
+    n = features
+    divisors = [k for k in range(1, n + 1) if n % k == 0]
+    others = [k for k in range(2, n) if n % k]
+    kernel = r.choice(others) if others and r.random() < 0.4 else r.choice(divisors)
+    if r.random() < 0.05:
+        kernel = n + 1  # (eager raises)
+    options = {}  # avg_pool1d's arguments after kernel_size that differ from their defaults (or stride = kernel)
+    if r.random() < 0.3:
+        extra = r.choice(["stride", "stride", "padding", "ceil_mode", "count_include_pad", "same stride"])
+        if extra == "stride":
+            options["stride"] = r.choice([s for s in range(1, kernel + 2) if s != kernel])
+        elif extra == "padding":
+            options["padding"] = r.randint(1, max(1, kernel // 2))  # (more than kernel // 2: eager raises)
+        elif extra in ("ceil_mode", "count_include_pad"):
+            options[extra] = extra == "ceil_mode"
+        else:
+            options["stride"] = kernel
+    try:
+        features = F.avg_pool1d(torch.zeros(1, n), kernel, **options).shape[-1]
+    except RuntimeError:
+        pass  # (eager raises at this pool: the width after it does not matter)
+    spelling = r.choice(["module", "F", "torch"])
+    kernel_text = r.choice([str(kernel), str(kernel), f"({kernel},)", f"[{kernel}]"])
+    order = ("stride", "padding", "ceil_mode", "count_include_pad")
+    defaults = {"stride": kernel, "padding": 0, "ceil_mode": False, "count_include_pad": True}
+    if r.random() < 0.5:  # positional, up to the last one given
+        given = [i for i, name in enumerate(order) if name in options]
+        last = given[-1] if given else -1
+        arguments = [kernel_text] + [str(options.get(name, defaults[name])) for name in order[:last + 1]]
+    else:
+        arguments = [kernel_text if r.random() < 0.5 else f"kernel_size={kernel_text}"]
+        arguments += [f"{name}={value}" for name, value in options.items()]
+    init_lines = []
+    if spelling == "module":
+        name = module_name()
+        init_lines.append(f"self.{name} = nn.AvgPool1d({', '.join(arguments)})")
+        call = f"self.{name}({{}})"
+    else:
+        prefix = "F.avg_pool1d" if spelling == "F" else "torch.avg_pool1d"
+        call = f"{prefix}({{}}, {', '.join(arguments)})"
+    unsqueezed = r.random() < 0.5 and can_unsqueeze
+    if fit_input is not None:
+        fit_input(unsqueezed)
+    if not unsqueezed:
+        lines = [f"h = {call.format('h')}"]
+    else:
+        dim = r.choice([1, 1, -2])
+        lines = r.choice([[f"h = {call.format(f'h.unsqueeze({dim})')}.squeeze({dim})"],
+                          [f"h = h.unsqueeze({dim})", f"h = {call.format('h')}", f"h = h.squeeze({dim})"]])
+    shown = "".join(f", {name}={value}" for name, value in options.items())
+    step = f"avg_pool1d({spelling}, {kernel}{shown}{', unsqueezed' if unsqueezed else ''})"
+    return Pool(init_lines, lines, features, step)
+
+
+
 class Drawer:
     """Draws a model's steps, tracking what the chain's value is: features (last dim N), a keepdim-reduced row
     (last dim 1) or a reduced one (one dim fewer)."""
@@ -227,64 +302,18 @@ class Drawer:
     # ------------------------------------------------------------------------------------ a pool over the features
 
     def pool(self) -> None:
-        """An average pool over the features in a random spelling (nn.AvgPool1d, F.avg_pool1d, torch.avg_pool1d; on
-        the value, or between `unsqueeze(1)` and `squeeze(1)`), drawn with pool_rng. Its windows tile the features
-        (fxfuse folds it into the GEMM right before it), or now and then do not: another stride, padding or ceil_mode
-        (it must not fold); its kernel divides the features or not (a partial window is dropped), or exceeds them."""
-        r = self.pool_rng
-        n = self.features
-        divisors = [k for k in range(1, n + 1) if n % k == 0]
-        others = [k for k in range(2, n) if n % k]
-        kernel = r.choice(others) if others and r.random() < 0.4 else r.choice(divisors)
-        if r.random() < 0.05:
-            kernel = n + 1  # (eager raises)
-        options = {}  # avg_pool1d's arguments after kernel_size that differ from their defaults (or stride = kernel)
-        if r.random() < 0.3:
-            extra = r.choice(["stride", "stride", "padding", "ceil_mode", "count_include_pad", "same stride"])
-            if extra == "stride":
-                options["stride"] = r.choice([s for s in range(1, kernel + 2) if s != kernel])
-            elif extra == "padding":
-                options["padding"] = r.randint(1, max(1, kernel // 2))  # (more than kernel // 2: eager raises)
-            elif extra in ("ceil_mode", "count_include_pad"):
-                options[extra] = extra == "ceil_mode"
-            else:
-                options["stride"] = kernel
-        try:
-            self.features = F.avg_pool1d(torch.zeros(1, n), kernel, **options).shape[-1]
-        except RuntimeError:
-            pass  # (eager raises at this pool: the width after it does not matter)
-        spelling = r.choice(["module", "F", "torch"])
-        kernel_text = r.choice([str(kernel), str(kernel), f"({kernel},)", f"[{kernel}]"])
-        order = ("stride", "padding", "ceil_mode", "count_include_pad")
-        defaults = {"stride": kernel, "padding": 0, "ceil_mode": False, "count_include_pad": True}
-        if r.random() < 0.5:  # positional, up to the last one given
-            given = [i for i, name in enumerate(order) if name in options]
-            last = given[-1] if given else -1
-            arguments = [kernel_text] + [str(options.get(name, defaults[name])) for name in order[:last + 1]]
-        else:
-            arguments = [kernel_text if r.random() < 0.5 else f"kernel_size={kernel_text}"]
-            arguments += [f"{name}={value}" for name, value in options.items()]
-        if spelling == "module":
-            name = self.fresh("pool")
-            self.spec.init_lines.append(f"self.{name} = nn.AvgPool1d({', '.join(arguments)})")
-            call = f"self.{name}({{}})"
-        else:
-            prefix = "F.avg_pool1d" if spelling == "F" else "torch.avg_pool1d"
-            call = f"{prefix}({{}}, {', '.join(arguments)})"
-        unsqueezed = r.random() < 0.5
-        # (avg_pool1d takes a 2-D or 3-D value, 2-D where it is unsqueezed first: mostly x's leading dims give one)
+        """An average pool over the features (draw_pool), drawn with pool_rng; x's leading dims mostly fit it."""
+        pool = draw_pool(self.pool_rng, self.features, lambda: self.fresh("pool"), self.fit_pool_input)
+        self.features = pool.features
+        self.spec.init_lines.extend(pool.init_lines)
+        self.spec.forward_lines.extend(pool.forward_lines)
+        self.spec.steps.append(pool.step)
+
+    def fit_pool_input(self, unsqueezed: bool) -> None:
+        """Mostly give x leading dims that make the pool's input 2-D or 3-D (2-D where it is unsqueezed first)."""
         fitting = [(1,), (2,), (3,), (5,)] + ([] if unsqueezed else [(1, 3), (2, 3), (3, 1)])
-        if self.spec.leading not in fitting and r.random() < 0.8:
-            self.spec.leading = r.choice(fitting)
-        if not unsqueezed:
-            lines = [f"h = {call.format('h')}"]
-        else:
-            dim = r.choice([1, 1, -2])
-            lines = r.choice([[f"h = {call.format(f'h.unsqueeze({dim})')}.squeeze({dim})"],
-                              [f"h = h.unsqueeze({dim})", f"h = {call.format('h')}", f"h = h.squeeze({dim})"]])
-        self.spec.forward_lines.extend(lines)
-        shown = "".join(f", {name}={value}" for name, value in options.items())
-        self.spec.steps.append(f"avg_pool1d({spelling}, {kernel}{shown}{', unsqueezed' if unsqueezed else ''})")
+        if self.spec.leading not in fitting and self.pool_rng.random() < 0.8:
+            self.spec.leading = self.pool_rng.choice(fitting)
 
     # ------------------------------------------------------------------------------------------ pointwise ops
 
