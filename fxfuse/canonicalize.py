@@ -1609,12 +1609,16 @@ def _redirect_inplace_uses(graph: fx.Graph, canon: dict[fx.Node, Canonical]) -> 
         names.setdefault(tensor, []).append(node)
 
 
-def restore_readers_outside_regions(graph: fx.Graph, before_rewrite: set) -> None:
+def restore_readers_outside_regions(graph: fx.Graph, before_rewrite: set, replaced: dict | None = None) -> None:
     """After the rewrite, a reader that `_redirect_inplace_uses` redirected and no region took in reads again each name
-    it read in eager, where that name and the in-place node (`before_rewrite`'s nodes) are both still in the graph: the
-    same elements, but the object eager has (`v = x[:, :]; v.mul_(2); return x` returns `x`, not the view that mul_
-    returns). A name that a region replaced stays read through the in-place node or the fused op."""
-    unfused = before_rewrite & set(graph.nodes)
+    it read in eager, where the in-place node (of `before_rewrite`'s nodes) is still in the graph and so is that name,
+    or the fused op that replaced it as a region's output (`replaced`): the same elements, but the object eager has
+    (`v = x[:, :]; v.mul_(2); return x` returns `x`, not the view that mul_ returns, which autograd refuses to read
+    with grad on where it was made under no_grad). A name that a region took in otherwise stays read through the
+    in-place node or the fused op."""
+    present = set(graph.nodes)
+    unfused = before_rewrite & present
+    replaced = replaced or {}
     for user in graph.nodes:
         before = user.meta.pop(_ARGUMENTS_BEFORE_REDIRECT, None)
         if before is None:
@@ -1622,8 +1626,14 @@ def restore_readers_outside_regions(graph: fx.Graph, before_rewrite: set) -> Non
         now = []  # the nodes it reads now, in the order of `before`'s (a redirect swaps nodes, not the structure)
         fx.node.map_arg((user.args, user.kwargs), now.append)
         now = iter(now)
-        user.args, user.kwargs = fx.node.map_arg(
-            before, lambda read: read if (current := next(now)) in unfused and read in unfused else current)
+
+        def eager_name(read: fx.Node) -> fx.Node:
+            """What `user` reads in place of `read`: `read`, or the fused op that replaced it, where both it and the
+            in-place node are still in the graph; else what it reads now."""
+            current, name = next(now), replaced.get(read, read)
+            return name if current in unfused and name in present else current
+
+        user.args, user.kwargs = fx.node.map_arg(before, eager_name)
 
 
 def _refuse_inplace_on_aliases(graph: fx.Graph, canon: dict[fx.Node, Canonical]) -> None:

@@ -994,7 +994,7 @@ def fuse_graph(gm: fx.GraphModule, where: str = "", training: bool = False, shap
     for node, c in canon.items():
         if c.op == LINEAR and c.problem and node in facts.position:
             report.near_misses.append(MissRow(prefix + location_of(node), node.name, c.problem))
-    restore_readers_outside_regions(gm.graph, canonical_graph)
+    restore_readers_outside_regions(gm.graph, canonical_graph, facts.replaced)
     gm.graph.lint()
     gm.recompile()
     return report

@@ -268,8 +268,29 @@ class GemmInInferenceMode(nn.Module):
         return torch.sigmoid(h) * x
 
 
+class ChangedThroughAWholeViewWithoutGrad(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.shift = nn.Linear(16, 8), nn.Parameter(torch.randn(()))
+
+    def forward(self, x):
+        h = self.fc(x) * 2.0
+        with torch.no_grad():
+            h[:].add_(self.shift)  # a view made without grad, changed in place: later reads are of h, not of it
+        return 2 ** h
+
+
 def _linear_with_a_2d_bias(x, w, b):
     return torch.nn.functional.silu(torch.nn.functional.linear(x, w, b))
+
+
+def test_a_region_output_changed_through_a_whole_view_without_grad_is_read_as_itself():
+    """`h[:].add_(p)` under no_grad after a region's output h, then `2 ** h` with grad: the read is of the fused op's
+    value (eager's h), not of the view that add_ returns, whose grad_fn autograd refuses to rebuild (it raised 'A view
+    was created in no_grad mode ... modified inplace') (compile_hunt seed 110060)."""
+    model, x, backend = ChangedThroughAWholeViewWithoutGrad().eval(), torch.randn(4, 16), fxfuse.make_backend("eager")
+    assert_gradients_match(model, torch.compile(model, backend=backend), [x])
+    assert [len(report.fused) for report in backend.reports] == [1]
 
 
 def test_a_change_through_a_view_of_what_the_region_reads_is_seen():
