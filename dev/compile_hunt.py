@@ -20,8 +20,10 @@ may change in place). A mismatch or a raise is then triaged automatically:
 
 - ``dynamo``: the same check fails without fxfuse (``torch.compile(backend=inner)``): not fxfuse's bug;
 - ``precision``: a low-precision mismatch where fxfuse's result is about as close to a float64 eager run as eager's,
-  a low-precision gradient through an op whose gradient jumps (a clamp bound), or a gradient that cancels to about
-  0, off by rounding noise of the call's largest gradient;
+  a low-precision gradient through an op whose gradient jumps (a clamp bound), a gradient that cancels to about
+  0, off by rounding noise of the call's largest gradient, or an ill-conditioned result: eager's own moves as far
+  where its arguments and parameters change by an ulp (optimize_hunt's test: a gradient that is 0 but for rounding,
+  through a norm over groups of one feature);
 - ``known``: a documented difference (docs/BACKEND.md: eager's backward raises for an in-place op on a value it
   saved; a fused region saved no such value; or the forward changes a buffer that a fused op keeps for its backward
   in place after a graph break, and the compiled backward raises, as for a caller's change);
@@ -57,7 +59,7 @@ import torch.nn.functional as F
 
 import fxfuse
 from fxfuse.testing import DEFAULT_TOLERANCE, assert_close_report
-from optimize_hunt import draw_pool  # (dev/ is the script's directory, so on sys.path)
+from optimize_hunt import PERTURBATIONS, _perturbed_copy, draw_pool  # (dev/, the script's directory, is on sys.path)
 
 # Tolerances per dtype for a compiled result against eager's (float32: a little above fxfuse's default, as
 # Inductor's and the reference's roundings differ from eager's by a few ulps through a chain of ops).
@@ -741,8 +743,28 @@ def compare(case: Case, actual: list, expected: list, call: int, arguments, with
                 return f"precision (a gradient that cancels, noise of the call's largest gradient): {message}"
             if low_precision and gradient and any(op in case.source for op in GRADIENT_JUMPS):
                 return f"precision (a gradient with a jump): {message}"
+            if moves_as_far(case, eager, a, e, index, arguments, with_grad):
+                return f"precision (ill-conditioned: eager's moves as far for a change of an ulp): {message}"
             return message
     return None
+
+
+def moves_as_far(case: Case, eager: nn.Module, actual, expected, index: int, arguments, with_grad: bool) -> bool:
+    """Whether eager's result number `index` moves at least as far from `expected` as `actual` is, where the arguments
+    and parameters of the `eager` model (as the call found it) change by up to one ulp of the dtype it computes in:
+    `actual` is then rounding noise of an ill-conditioned result (optimize_hunt's test)."""
+    dtype = torch.bfloat16 if case.autocast else case.dtype
+    distance_of = lambda t: (t.double() - expected.double()).abs().nan_to_num(0).max().item()  # noqa: E731
+    for k in range(PERTURBATIONS):
+        try:
+            model, changed = _perturbed_copy(eager, arguments, dtype, case.seed * PERTURBATIONS + k)
+            moved = results_of(model, case, changed, with_grad)[index]
+        except Exception:
+            return False
+        moved = moved.tensor if isinstance(moved, Gradient) else moved
+        if moved.shape == expected.shape and distance_of(moved) >= distance_of(actual):
+            return True
+    return False
 
 
 def closer_to_float64(case: Case, eager: nn.Module, actual, expected, index: int, arguments, with_grad: bool) -> bool:
