@@ -471,6 +471,8 @@ def mean_of_feature_groups(tensor: torch.Tensor, size: int, weight: torch.Tensor
     if tensor.dim() == 0 or tensor.shape[-1] == 1:
         return tensor
     torch.broadcast_shapes(tensor.shape, weight.shape[:1])  # (other features than the weight's: eager raises)
+    if tensor.dim() == 1:  # (a bias, each call: no two movedim dispatches for nothing)
+        return mean_of_row_groups(tensor, size)
     return mean_of_row_groups(tensor.movedim(-1, 0), size).movedim(0, -1)
 
 
