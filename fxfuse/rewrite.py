@@ -301,9 +301,11 @@ def require_broadcast_rank(values: tuple, least: int, rank: int, what: str, offs
     module tensors of up to `least` dims (`self.fc(x + 1)`), or change it by a fixed amount (`offsets`, one per
     value, None where its rank does not count: `self.fc(x.unsqueeze(0))` is 1 more than x's), or by what its sizes
     tell (an offset (SQUEEZED, dims, more[, steps]): `self.fc(x.squeeze(0).unsqueeze(0))` is x.squeeze(0)'s rank, 1
-    more; `steps`, the squeezes and unsqueezes of x before that squeeze, `x.unsqueeze(1).squeeze(0)`): it
-    has the most dims of them, which, where not `rank`, runs the model's forward instead (NotOptimizedForThisCall), as
-    it does where eager's squeeze raises. Anything but a tensor has no dims to broadcast."""
+    more; `steps`, the squeezes and unsqueezes of x before that squeeze, `x.unsqueeze(1).squeeze(0)`), or by what
+    the value passed for it is (an offset (ITEM, index, more) of an argument whose item it reads, `self.fc(x[0])`: a
+    tensor's rank but one, a list's item's own: _item_rank): it has the most dims of them, which, where not `rank`,
+    runs the model's forward instead (NotOptimizedForThisCall), as it does where eager's squeeze or indexing raises.
+    Anything but a tensor (or a list or tuple whose item it reads) has no dims to broadcast."""
     made = _broadcast_rank(values, least, offsets)
     if made != rank:
         raise NotOptimizedForThisCall(_rank_message(made, rank, what))
@@ -326,6 +328,12 @@ def _broadcast_rank(values: tuple, least: int, offsets: tuple | None) -> int:
     offsets = (0,) * len(values) if offsets is None else offsets
     made = [least]
     for value, offset in zip(values, offsets):
+        if isinstance(offset, tuple) and offset[0] == ITEM:  # (ITEM, index, more): `x[index]`, `more` dims more
+            _, index, more = offset
+            rank = _item_rank(value, index)
+            if rank is not None:
+                made.append(rank + more)
+            continue
         if not isinstance(value, torch.Tensor) or offset is None:
             continue
         if isinstance(offset, tuple):
@@ -338,6 +346,26 @@ def _broadcast_rank(values: tuple, least: int, offsets: tuple | None) -> int:
         else:
             made.append(value.dim() + offset)
     return max(made)
+
+
+def _item_rank(value, index: int) -> int | None:
+    """The rank of `value[index]`, an item of a forward argument, at this call: a tensor's rank but one, or the rank of
+    a list's or tuple's item (None for an item that is no tensor, which has no dims to broadcast).
+    NotOptimizedForThisCall where eager's indexing raises (a 0-d tensor, an index out of range), or for an argument
+    of another kind (a dict, an object whose indexing is its own code): the model's forward computes what eager does."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0 or not -value.shape[0] <= index < value.shape[0]:
+            raise NotOptimizedForThisCall(f"fxfuse: eager's indexing raises for [{index}] of a tensor of shape "
+                                          f"{tuple(value.shape)}")
+        return value.dim() - 1
+    if not isinstance(value, (list, tuple)):
+        raise NotOptimizedForThisCall(f"fxfuse: this part of the model was optimized for an item of a tensor, list or "
+                                      f"tuple; got a {type(value).__module__}.{type(value).__qualname__}")
+    if not -len(value) <= index < len(value):
+        raise NotOptimizedForThisCall(f"fxfuse: eager's indexing raises for [{index}] of a {type(value).__name__} of "
+                                      f"{len(value)} items")
+    item = value[index]
+    return item.dim() if isinstance(item, torch.Tensor) else None
 
 
 def require_features(x, weight: torch.Tensor, features: int, dim: int, what: str, pool: int = 1) -> None:
@@ -556,9 +584,26 @@ def _is_argument(value) -> bool:
     return isinstance(value, fx.Node) and value.op == "placeholder"
 
 
+# The offset of an argument whose item the value is made of (`x[0]`): (ITEM, index, more), the rank of the argument's
+# item `index` (a tensor's rank but one, a list's or tuple's item's own: _item_rank), and `more` dims more.
+ITEM = "item"
+
+
+def _item_of_argument(node: fx.Node) -> tuple[fx.Node, int] | None:
+    """(argument, index) where `node` is `x[index]` of a forward argument x and an int index (negative too), of which
+    canonicalize.rank_change tells no rank: x may be a list or tuple, whose item is of its own rank, or a tensor, whose
+    item is one dim fewer. None for any other node."""
+    if node.op != "call_function" or node.target is not operator.getitem or len(node.args) != 2 or node.kwargs:
+        return None
+    argument, index = node.args
+    if not _is_argument(argument) or not isinstance(index, int) or isinstance(index, bool):
+        return None
+    return argument, index
+
+
 def _shifted(offset, more: int):
     """An argument's offset (_ranks_following_arguments') of a value that an op makes `more` dims larger."""
-    if isinstance(offset, tuple):  # (SQUEEZED, dims, more[, steps])
+    if isinstance(offset, tuple):  # (SQUEEZED, dims, more[, steps]) or (ITEM, index, more)
         return (*offset[:2], offset[2] + more, *offset[3:])
     return offset + more
 
@@ -573,6 +618,8 @@ def _larger_offset(a, b):
         return b
     if b is None:
         return a
+    if ITEM in (a[0] if isinstance(a, tuple) else None, b[0] if isinstance(b, tuple) else None):
+        return _UNKNOWN  # (an item's rank is no fixed amount off its argument's)
     most_a, most_b = (offset[2] if isinstance(offset, tuple) else offset for offset in (a, b))
     if not isinstance(a, tuple) and a >= most_b:
         return a
@@ -581,7 +628,8 @@ def _larger_offset(a, b):
     return _UNKNOWN
 
 
-def _ranks_following_arguments(gm: fx.GraphModule, canon: dict, mutations: list) -> dict[fx.Node, tuple[dict, int]]:
+def _ranks_following_arguments(gm: fx.GraphModule, canon: dict, mutations: list,
+                               items: bool = False) -> dict[fx.Node, tuple[dict, int]]:
     """The values whose rank follows from forward arguments' ranks alone, whatever the call: value -> ({argument: its
     offset}, least); the value has max(least, each argument's rank + its offset) dims (an offset of None: the
     argument's rank does not count). These are values made of arguments, numbers and module tensors by ops that keep
@@ -592,7 +640,9 @@ def _ranks_following_arguments(gm: fx.GraphModule, canon: dict, mutations: list)
     of an argument, or of what ops that keep its shape, squeezes and unsqueezes make of it alone
     (`x.relu().squeeze(0)`, `x.unsqueeze(1).squeeze(0)`), whose rank the argument's sizes tell (an offset (SQUEEZED,
     dims, more[, steps])), where no op before it may change the argument in place (`x.t_()`: the sizes the first
-    checks see are the call's). `mutations`: Facts.mutations'."""
+    checks see are the call's). `mutations`: Facts.mutations'. `items`: also what is made of an int item of an
+    argument (`x[0]`, an offset (ITEM, index, more)), whose rank the first checks can tell, but which may be a list's
+    item, of any kind (not a tensor or number to take as a param)."""
     following = {}
     changing = dict(mutations)
     made_from = {}  # node -> the arguments it is made of (any of which it may be, `x.contiguous()`)
@@ -609,6 +659,11 @@ def _ranks_following_arguments(gm: fx.GraphModule, canon: dict, mutations: list)
         if node.op == "placeholder":
             following[node] = ({node: 0}, 0)
             shaped_as[node] = (node, ())
+            continue
+        item = _item_of_argument(node) if items else None
+        if item is not None:
+            argument, index = item
+            following[node] = ({argument: (ITEM, index, 0)}, 0)
             continue
         if _keeps_its_operands_shape(c) and c.operands[0] in shaped_as:
             shaped_as[node] = shaped_as[c.operands[0]]
@@ -686,8 +741,8 @@ def _first_rank_checks(graph: fx.Graph, x, x_rank: int, following: dict) -> list
     model's forward: x's own rank where it is a forward argument; where x was made inside the graph and the example
     inputs gave it a rank, every tensor argument's example rank (the ranks of what a graph makes follow from its
     inputs' ranks, but for ops such as squeeze(), which require_rank still catches), and where x's rank follows from
-    a squeeze of an argument (`following`), the rank that its sizes make; without them, the rank that the arguments
-    x's rank follows from make (`following`); else none."""
+    a squeeze of an argument, or an item of one (`following`, with items), the rank that its sizes or its item make;
+    without them, the rank that the arguments x's rank follows from make (`following`); else none."""
     if _is_argument(x):
         return [(require_argument_rank, (x, x_rank, "input"))]
     checks = []
@@ -696,8 +751,9 @@ def _first_rank_checks(graph: fx.Graph, x, x_rank: int, following: dict) -> list
             all("val" in node.meta for node in arguments):
         checks = [(require_argument_rank, (node, node.meta["val"].dim(), "input"))
                   for node in arguments if isinstance(node.meta["val"], torch.Tensor)]
-        squeezed = x in following and any(isinstance(offset, tuple) for offset in following[x][0].values())
-        if not squeezed:  # (the arguments' ranks leave a squeeze's sizes open)
+        # (the arguments' ranks leave a squeeze's sizes open, and an item's rank: a list may come where a tensor was)
+        squeezed_or_item = x in following and any(isinstance(offset, tuple) for offset in following[x][0].values())
+        if not squeezed_or_item:
             return checks
     if x in following:
         made_of, most = following[x]
@@ -740,7 +796,9 @@ def _input_read_again(member: fx.Node, region: Region) -> bool:
 
 
 def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool, shapes_guarded: bool,
-             following: dict[fx.Node, tuple[tuple, int]]) -> fx.Node:
+             following: dict[fx.Node, tuple[tuple, int]], ranks: dict[fx.Node, tuple[tuple, int]]) -> fx.Node:
+    """Replace `region` with one fused-op call, after the checks it needs. `following`: _ranks_following_arguments';
+    `ranks`: the same with items of arguments (`x[0]`), whose ranks the first checks follow (only they)."""
     graph = gm.graph
     # After the region's last op, not after a stand-in that nothing reads and that reads only the region (the unread
     # indices of `torch.max(h, 1)`, which fx may record after what reads the values: `r = h.max(1); y = r[0]...; r[1]`)
@@ -793,7 +851,7 @@ def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool,
         # A forward argument of another rank at a call runs the model's own forward, checked before any op; the check
         # here stays (an op between may change the argument's rank in place, `x.unsqueeze_(0)`).
         if region.x_rank is not None and not shapes_guarded:
-            for check, args in _first_rank_checks(graph, region.x, region.x_rank, following):
+            for check, args in _first_rank_checks(graph, region.x, region.x_rank, ranks):
                 _check_first(graph, position, check, args)
             graph.call_function(require_rank, (region.x, region.x_rank, "input"))
         if region.x_rank_at_least is not None and (region.x_rank or 0) < region.x_rank_at_least and not shapes_guarded:
@@ -802,8 +860,8 @@ def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool,
             if _is_argument(region.x):
                 _check_first(graph, position, require_argument_rank_at_least,
                              (region.x, region.x_rank_at_least, "input"))
-            elif region.x in following:  # (x made of forward arguments: its rank, of theirs and their sizes)
-                made_of, most = following[region.x]
+            elif region.x in ranks:  # (x made of forward arguments: its rank, of theirs and their sizes or items)
+                made_of, most = ranks[region.x]
                 _check_first(graph, position, require_broadcast_rank_at_least,
                              (tuple(made_of), most, region.x_rank_at_least, "input", tuple(made_of.values())))
             graph.call_function(require_rank_at_least, (region.x, region.x_rank_at_least, "input"))
@@ -974,6 +1032,9 @@ def fuse_graph(gm: fx.GraphModule, where: str = "", training: bool = False, shap
     facts.position = {node: i for i, node in enumerate(gm.graph.nodes)}
     following = {} if shapes_guarded else _ranks_following_arguments(gm, canon, facts.mutations(canon))
     facts.made_of_arguments = frozenset(following)
+    # (an item of an argument, `x[0]`, may be a list's, of any kind: its rank is for the first checks only)
+    has_items = not shapes_guarded and any(_item_of_argument(node) for node in gm.graph.nodes)
+    ranks = _ranks_following_arguments(gm, canon, facts.mutations(canon), items=True) if has_items else following
     prefix = f"{where}." if where else ""
     anchors = [n for n, c in canon.items() if c.op == LINEAR and c.problem is None]
     for anchor in anchors:
@@ -986,10 +1047,11 @@ def fuse_graph(gm: fx.GraphModule, where: str = "", training: bool = False, shap
         if region is None:
             continue
         replaced = [m.name for m in sorted(region.members, key=facts.position.get)]
-        fused = _replace(gm, region, facts.position, training, shapes_guarded, following)
+        fused = _replace(gm, region, facts.position, training, shapes_guarded, following, ranks)
         facts.replaced[region.output] = fused
-        if region.output in following:  # (the fused op's value is the output's: the same rank)
-            following[fused] = following[region.output]
+        for followed in (following, ranks):  # (the fused op's value is the output's: the same rank)
+            if region.output in followed:
+                followed[fused] = followed[region.output]
         logger.info("fused %s at %s: %s", ", ".join(replaced), location, region.program)
         report.fused.append(FusedRow(f"{location} ({anchor.name})", replaced, str(region.program), fused.name,
                                      "gemm_epilogue_train" if training else "gemm_epilogue", region.pool))

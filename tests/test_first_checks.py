@@ -3,10 +3,11 @@ check before any op can tell (rewrite.py's FIRST_CHECKS), fuse, and a call of an
 result or eager's error (the optimized model runs its model's own forward).
 
 Covered: the GEMM's input made by ops that change the rank by a fixed amount (`x.unsqueeze(0)`, `x.sum(1)`,
-`x[None]`, `x[:, 0]`) or keep it (`x.transpose(1, 2)`), or by
-a squeeze of a forward argument, whose rank its sizes tell (`x.squeeze(0)`, with example inputs too), an
-outside operand made of forward arguments (`h + x.sum(-1, keepdim=True).unsqueeze(0)`, `h + y.unsqueeze(-1)`), and
-a forward argument that an add's or sub's alpha scales before the region reads it (`torch.sub(h, y, alpha=2)`).
+`x[None]`, `x[:, 0]`) or keep it (`x.transpose(1, 2)`), by an item of a forward argument that may be a list, whose
+rank the call's argument tells (`xs[0]`, with example inputs too), or by a squeeze of a forward argument, whose rank
+its sizes tell (`x.squeeze(0)`, with example inputs too), an outside operand made of forward arguments
+(`h + x.sum(-1, keepdim=True).unsqueeze(0)`, `h + y.unsqueeze(-1)`), and a forward argument that an add's or sub's
+alpha scales before the region reads it (`torch.sub(h, y, alpha=2)`).
 """
 import pickle
 import re
@@ -19,7 +20,8 @@ import torch.nn.functional as F
 import fxfuse
 from epilogue_models import IN, OUT, GemmThen, GemmThenTwoArguments, assert_reason, leftover_compute
 from fxfuse.library import FUSED_OPS
-from fxfuse.rewrite import require_argument_dtype, require_broadcast_rank
+from fxfuse.rewrite import (require_argument_dtype, require_argument_rank, require_broadcast_rank,
+                            require_broadcast_rank_at_least)
 from fxfuse.testing import assert_close_report, assert_gradients_match, fused_op_count
 
 
@@ -105,13 +107,115 @@ def test_an_input_made_by_rank_changes_is_checked_first_and_other_ranks_give_eag
         _eager_or_its_error(model, optimized, torch.randn(other))
 
 
-def test_an_item_of_a_forward_argument_is_not_taken_for_an_index_of_a_tensor():
-    """`xs[0]` of an argument that may be a list is no dim fewer than it: it keeps the check after the ops (a first
-    check would have sent every call with a list to the model's own forward)."""
+# ---------------------------------------------------------------- the GEMM's input: an item of a forward argument
+
+def _items(*shapes, kind=list):
+    return kind(torch.randn(shape) for shape in shapes)
+
+
+# (epilogue, an input it fuses for without example inputs, inputs of any kind: a tensor, whose item is one dim fewer,
+# a list or tuple, whose item is of its own rank, or what eager's indexing raises for)
+_OTHER_ITEMS = [torch.randn(1, 4, IN), torch.randn(2, 3, 5, IN), torch.randn(2, 3, 4, IN), torch.randn(4, IN),
+                torch.randn(()), torch.randn(0, IN), _items((4, IN)), _items((3, 4, IN), (IN,)), _items((IN,)),
+                _items((2, IN), kind=tuple), [], [1.5], [[1.0] * IN], {0: torch.randn(4, IN)}]
+_X_AN_ITEM = [
+    (lambda m, xs, y: F.group_norm(m.fc(xs[0]), 5), _items((4, IN))),
+    (lambda m, xs, y: m.fc(xs[-1]).softmax(1), _items((IN,), (4, IN))),
+    (lambda m, xs, y: m.fc(xs[0][1]).amax(1), _items((2, 4, IN))),
+    (lambda m, xs, y: F.group_norm(m.fc(xs[1].unsqueeze(0) * 2), 5), _items((IN,), (IN,), kind=tuple)),
+    (lambda m, xs, y: m.fc(xs[0].sum(0)).softmax(1), torch.randn(2, 3, 4, IN)),
+]
+_ITEM_IDS = ["item-group_norm", "negative-item-softmax", "item-of-item-amax", "item-unsqueeze-mul-group_norm",
+             "item-sum-softmax"]
+
+
+def _refusals(caplog) -> int:
+    return sum("runs the model's own forward" in record.getMessage() for record in caplog.records)
+
+
+@pytest.mark.parametrize("forward, traced", _X_AN_ITEM, ids=_ITEM_IDS)
+def test_an_input_made_of_an_item_of_a_forward_argument_is_checked_first(forward, traced, caplog):
+    """`fc(xs[0])` is 2-D for a 3-D tensor xs, or for a list or tuple whose item 0 is 2-D: group_norm and softmax(1)
+    hold for that rank. The check before any op tells the item's rank of what the call passes; it checked the
+    rank after the ops only (require_rank), and raised fxfuse's error where eager computes, or raises its own. A call
+    the graph was made for runs the fused op (the check was left out, lest every call with a list run unfused)."""
+    model = GemmThen(forward).eval()
+    optimized = fxfuse.optimize(model)
+    assert fused_op_count(optimized) == 1 and not optimized.fxfuse_report.near_misses, optimized.fxfuse_report
+    assert _calls_of(optimized, require_broadcast_rank) == 1, optimized.code
+    with caplog.at_level("DEBUG", logger="fxfuse"):
+        _eager_or_its_error(model, optimized, traced)
+    assert _refusals(caplog) == 0
+    for other in _OTHER_ITEMS:
+        _eager_or_its_error(model, optimized, other)
+
+
+def test_an_input_made_of_an_item_of_a_list_is_checked_first_with_example_inputs():
+    """The example inputs' ranks are checked first for tensors only: a list's item of another rank slipped through
+    to require_rank."""
     model = GemmThen(lambda m, xs, y: F.group_norm(m.fc(xs[0]), 5)).eval()
+    optimized = fxfuse.optimize(model, (_items((4, IN)),))
+    assert fused_op_count(optimized) == 1 and _calls_of(optimized, require_broadcast_rank) == 1, optimized.code
+    for other in _OTHER_ITEMS:
+        _eager_or_its_error(model, optimized, other)
+
+
+def test_an_input_made_of_an_item_gives_eagers_gradients_in_train_mode():
+    model = GemmThen(lambda m, xs, y: F.group_norm(m.fc(xs[0]), 5)).train()
+    optimized = fxfuse.optimize(model)
+    assert fused_op_count(optimized) == 1, optimized.fxfuse_report
+    for x in (torch.randn(1, 4, IN), torch.randn(2, 3, 5, IN)):
+        assert_gradients_match(model, optimized, (x,))
+
+
+class ItemThenGroupNorm(nn.Module):
+    """(a class of the module's own: pickle takes no lambda)"""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(IN, OUT)
+
+    def forward(self, xs):
+        return F.group_norm(self.fc(xs[-1]), 5)
+
+
+def test_the_check_of_an_item_survives_pickling():
+    """The check's offset, ("item", index, more), is written in the graph's code, which unpickling traces again."""
+    model = ItemThenGroupNorm().eval()
+    restored = pickle.loads(pickle.dumps(fxfuse.optimize(model)))
+    assert fused_op_count(restored) == 1 and _calls_of(restored, require_broadcast_rank) == 1, restored.code
+    for inputs in (_items((4, IN)), torch.randn(2, 3, 4, IN), _items((IN,)), torch.randn(1, 4, IN)):
+        _eager_or_its_error(model, restored, inputs)
+
+
+def test_an_item_of_a_tensor_example_input_is_checked_first_for_a_list_too():
+    """With a tensor as the example input, its rank is checked first, which a list passed later has none of: its
+    item's rank is checked too."""
+    model = ItemThenGroupNorm().eval()
+    optimized = fxfuse.optimize(model, (torch.randn(1, 4, IN),))
+    assert fused_op_count(optimized) == 1 and _calls_of(optimized, require_broadcast_rank) == 1, optimized.code
+    assert _calls_of(optimized, require_argument_rank) == 1, optimized.code
+    for other in _OTHER_ITEMS:
+        _eager_or_its_error(model, optimized, other)
+
+
+def test_an_input_made_of_an_item_for_a_whole_view_is_checked_first():
+    """`fc(xs[0])[:, :]` needs 2 dims or more (require_rank_at_least): the check before any op tells the item's."""
+    model = GemmThen(lambda m, xs, y: m.fc(xs[0])[:, :].relu()).eval()
+    optimized = fxfuse.optimize(model)
+    assert fused_op_count(optimized) == 1, optimized.fxfuse_report
+    assert _calls_of(optimized, require_broadcast_rank_at_least) == 1, optimized.code
+    for inputs in (torch.randn(2, 3, IN), torch.randn(3, IN), _items((IN,)), _items((3, IN)), torch.randn(2, 3, 4, IN)):
+        _eager_or_its_error(model, optimized, inputs)
+
+
+def test_an_input_made_of_two_items_of_one_argument_keeps_the_check_after_the_ops():
+    """`xs[0] + xs[1]`: each item's rank is of its own, no fixed amount off xs's: no check first (another rank raises
+    fxfuse's error, as documented), and a call of the ranks it was made for runs the fused op."""
+    model = GemmThen(lambda m, xs, y: F.group_norm(m.fc(xs[0] + xs[1]), 5)).eval()
     optimized = fxfuse.optimize(model)
     assert fused_op_count(optimized) == 1 and _calls_of(optimized, require_broadcast_rank) == 0, optimized.code
-    for inputs in ([torch.randn(4, IN)], torch.randn(1, 4, IN)):
+    for inputs in (_items((4, IN), (4, IN)), torch.randn(2, 4, IN)):
         _eager_or_its_error(model, optimized, inputs)
 
 
