@@ -5,20 +5,22 @@
 //   y[row] = program(gemm_output[row]), or one value per row after a row reduction.
 //
 // Strategy: a persistent grid of row groups, each thread holding VALUES values of its row in registers (32 for
-// 16-bit rows of more than 512 features, else 16: fast_row_values, program_format.cuh) in the chunk layout of
-// interpreter.cuh (chunk c of lane t at (c * TPR + t) * VEC). The next row is copied into shared memory (cp.async)
-// while one computes; params are read by pointer as 16-byte vectors; one dispatch per instruction: a range test
-// sends unary ops to their switch, the rest switch on the op (binary ops then on the operand kind, once; norms and
-// reductions into the statistic code, inline for groups inside a warp, and with one exchange of Chan-merged (mean,
-// M2) pairs for groups across warps). The kernel may launch while the GEMM finishes, and waits for it on the GPU
-// (launch_kernel, interpreter.cuh). dev/NOTES.md has the measurements of each choice (variants 31-49, 78).
+// 16-bit rows of more than 4096 features without libdevice ops, else 16: fast_row_values, program_format.cuh) in
+// the chunk layout of interpreter.cuh (chunk c of lane t at (c * TPR + t) * VEC). The next row is copied into shared
+// memory (cp.async) while one computes; params are read by pointer as 16-byte vectors; one dispatch per
+// instruction: a range test sends unary ops to their switch, the rest switch on the op (binary ops then on the
+// operand kind, once; norms and reductions into the statistic code, inline for groups inside a warp, and with one
+// exchange of Chan-merged (mean, M2) pairs for groups across warps). The kernel may launch while the GEMM finishes,
+// and waits for it on the GPU (launch_kernel, interpreter.cuh). dev/NOTES.md has the measurements of each choice
+// (variants 31-49, 78, 100).
 //
-// Four builds per storage type and VALUES, chosen by the launcher: WHOLE_ROWS (features == TPR * VALUES, as for
-// 1024, 2048, 4096 or 8192 features) compiles the chunk masks away; WITH_LIBM_OPS false leaves out the unary and
-// binary ops that call libdevice (CallsLibm), whose code slowed every other program by 4-12% (variant 42). On whole
-// rows, the programs of FXFUSE_ROW_CHAINS (program_format.cuh) run chain_row_kernel instead: the same row loop with
-// each instruction's op fixed at compile time (fast_op), no dispatch (11-25% less time than interpreted, variant 57);
-// a chain's last whole-row min (amin or min_dim) folds by atomics in shared memory, without barriers (fold_row_min).
+// Builds per storage type, chosen by the launcher: WHOLE_ROWS (features == TPR * VALUES, as for 1024, 2048, 4096
+// or 8192 features) compiles the chunk masks away; WITH_LIBM_OPS false leaves out the unary and binary ops that call
+// libdevice (CallsLibm), whose code slowed every other program by 4-12% (variant 42); the build with them is made
+// at 16 values a thread only. On whole rows, the programs of FXFUSE_ROW_CHAINS (program_format.cuh) run
+// chain_row_kernel instead: the same row loop with each instruction's op fixed at compile time (fast_op), no
+// dispatch (11-25% less time than interpreted, variant 57); a chain's last whole-row min (amin or min_dim) folds by
+// atomics in shared memory, without barriers (fold_row_min).
 //
 // Limits (fits_fast_row_kernel says whether a program qualifies; the launcher in gemm_epilogue.cpp falls back to
 // row_program_kernel otherwise): rows of whole 16-byte vectors, no slots, no batch_norm, groups that the lanes
@@ -306,7 +308,7 @@ __device__ __forceinline__ void fast_reduction(const Ctx& ctx, const Instruction
 }
 
 // The same for an interpreted program's reduction: one copy of each statistic's code for every reduction op (a copy
-// per op made row_fast_bf16.cu's nvcc 73% longer once var, std and vector_norm joined the seven).
+// per op made the bf16 fast kernels' nvcc 73% longer once var, std and vector_norm joined the seven).
 template <typename Ctx, int CHUNKS, int VEC>
 __device__ __forceinline__ void any_fast_reduction(const Ctx& ctx, const Instruction& ins, Values<CHUNKS, VEC>& cur,
                                                    FastRowShared<CHUNKS>& shared) {
@@ -478,7 +480,9 @@ __device__ __forceinline__ void run_rows(const RowProgram& prog, RunProgram run_
 template <class S, int VALUES, bool WHOLE_ROWS, bool WITH_LIBM_OPS>
 __global__ void __launch_bounds__(fast_row_threads(VALUES), 1)
     fast_row_kernel(const __grid_constant__ RowProgram prog) {
-  run_rows<S, VALUES, WHOLE_ROWS>(prog, [&](const auto& ctx, auto& cur, auto& shared) {
+  // Inlined by force: nvcc kept this loop a called function, so that `cur` lived in local memory (a 176-byte stack
+  // frame in the bf16 builds, 208 with the libdevice ops).
+  run_rows<S, VALUES, WHOLE_ROWS>(prog, [&](const auto& ctx, auto& cur, auto& shared) __attribute__((always_inline)) {
     for (int pc = 0; pc < prog.num_instructions; ++pc)
       fast_instruction<S, WHOLE_ROWS, WITH_LIBM_OPS>(ctx, prog.code[pc], cur, shared);
   });
@@ -532,25 +536,25 @@ RowKernel chain_kernel(const RowProgram& prog) {
   return find_chain(chains, prog.code, prog.num_instructions);
 }
 
-// The interpreted build for programs with libdevice ops. A storage type's file may leave its two instances to
-// translation units of their own (`extern template`), which ninja builds beside it: they were 140 of the 186 s of
-// nvcc that row_fast_bf16.cu's kernels took in one unit.
-template <class S, int VALUES, bool WHOLE_ROWS>
+// The interpreted build for programs with libdevice ops, at 16 values a thread only (fast_row_values). A storage
+// type's file may leave its two instances to translation units of their own (`extern template`), which ninja builds
+// beside it: they were 140 of the 186 s of nvcc that the bf16 fast kernels took in one unit.
+template <class S, bool WHOLE_ROWS>
 RowKernel libm_row_kernel() {
-  return fast_row_kernel<S, VALUES, WHOLE_ROWS, true>;
+  return fast_row_kernel<S, kRowValues, WHOLE_ROWS, true>;
 }
 
 template <class S, int VALUES>
 bool launch_fast_row_program(const RowProgram& prog, const RowLaunch& launch, cudaStream_t stream) {
   const bool whole_rows = prog.features == prog.threads_per_row * VALUES;
-  const bool with_libm_ops = uses_libm_op(prog);
   RowKernel kernel = whole_rows ? chain_kernel<S, VALUES, false>(prog) : nullptr;
   const bool chained = kernel != nullptr;
-  if (kernel == nullptr)
-    kernel = whole_rows ? (with_libm_ops ? libm_row_kernel<S, VALUES, true>()
-                                         : fast_row_kernel<S, VALUES, true, false>)
-                        : (with_libm_ops ? libm_row_kernel<S, VALUES, false>()
-                                         : fast_row_kernel<S, VALUES, false, false>);
+  if (!chained && uses_libm_op(prog)) {  // (laid out at 16 values a thread: fast_row_values)
+    TORCH_CHECK(VALUES == kRowValues, "fxfuse: a program with libdevice ops laid out at ", VALUES, " values a thread");
+    if constexpr (VALUES == kRowValues) kernel = whole_rows ? libm_row_kernel<S, true>() : libm_row_kernel<S, false>();
+  } else if (!chained) {
+    kernel = whole_rows ? fast_row_kernel<S, VALUES, true, false> : fast_row_kernel<S, VALUES, false, false>;
+  }
   const int threads = launch.rows_per_block * prog.threads_per_row;
   RowProgram sized = prog;
   sized.row_groups = (prog.rows + launch.rows_per_block - 1) / launch.rows_per_block;

@@ -360,7 +360,7 @@ bool launch(const Binding& binding, const RowProgram& row, const std::optional<R
 // (fast_row_values), which for long 16-bit rows differ from the general kernel's, so that the layout and the
 // groups are placed again.
 int lay_out_for_fast_kernel(RowProgram& row, std::optional<RowLayout>& layout, int vec, int slots_used) {
-  const int values = fast_row_values(vec, row.features);
+  const int values = fast_row_values(vec, row.features, uses_libm_op(row));
   if (values == kRowValues) return fits_fast_row_kernel(row, slots_used) ? values : 0;
   const std::optional<RowLayout> fast_layout = choose_row_layout(row.features, values);
   if (!fast_layout) return 0;

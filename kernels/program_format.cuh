@@ -19,12 +19,14 @@ constexpr int kMaxRowThreads = 1024;   // threads per row at most; __launch_boun
 constexpr int kMaxRowFeatures = kRowValues * kMaxRowThreads;
 
 // Values per thread of the fast row kernel (fast_row.cuh) for rows of `features` in storage of `vec` values per
-// 16-byte vector: kLongRowValues for 16-bit rows longer than a warp holds at 16, at 128 registers (bf16 min_bias's
-// row kernel and tail 15.7 -> 15.0 us, mish 14.5 -> 14.3, variant 98); else 16: fp32 was slower at 32 (hardtanh
-// 18.2 -> 19.7 us, variant 97), and shorter rows would leave half of each thread's values past their end.
+// 16-byte vector, of a program with or without libdevice ops (uses_libm_op): kLongRowValues for 16-bit rows of more
+// than 4096 features without them, at 128 registers (bf16 min_bias's row kernel and tail 15.7 -> 15.0 us, mish
+// 14.5 -> 14.3, variant 98); else 16. fp32 was slower at 32 (hardtanh 18.2 -> 19.7 us, variant 97); bf16 programs
+// with libdevice ops were slower at 32 (gelu, mul, max_dim over 1024 x 2048: 14.4 -> 7.9 us above the GEMM), and
+// rows of 4096 or fewer gained nothing from it (variant 100).
 constexpr int kLongRowValues = 32;
-__host__ __device__ constexpr int fast_row_values(int vec, int64_t features) {
-  return vec == 8 && features > 32 * kRowValues ? kLongRowValues : kRowValues;
+__host__ __device__ constexpr int fast_row_values(int vec, int64_t features, bool with_libm_ops) {
+  return vec == 8 && !with_libm_ops && features > 4096 ? kLongRowValues : kRowValues;
 }
 __host__ __device__ constexpr int fast_row_threads(int values) { return kMaxRowFeatures / values; }
 
@@ -74,7 +76,7 @@ struct Instruction {
 // fast_row.cuh); any other program is interpreted. These are the epilogues of the bundled examples, whose row
 // kernels take 11-25% less time this way on the H100 (dev/NOTES.md, variant 57), first as the examples spell
 // them (nn.Hardtanh, torch.min(h, 1)[0]), then with torch.clamp and torch.amin, which compute the same values.
-// Adding a chain is one line here and about 0.6 s of nvcc per arch in each fast translation unit (row_fast_bf16.cu
+// Adding a chain is one line here and about 0.6 s of nvcc per arch in each fast translation unit (row_fast_bf16_32_values.cu
 // for sm_90a: 32.8 s without the first four, 35.3 s with them).
 #define FXFUSE_ROW_CHAINS(X)                     \
   X(OP_group_norm, OP_hardtanh)                  \

@@ -310,7 +310,7 @@ ROW_KERNEL_CHOICES = [  # (program, n, param kinds, the row kernel that must run
     # and binary op compiled in) or "light" (none that calls libdevice)
     # "chain": a program of FXFUSE_ROW_CHAINS on whole rows, compiled whole ("min by atomics": its last row min)
     ("add(%0,$0);hardtanh(%1,-1.0,1.0);mish(%2);group_norm(%3,$1,$2,16,1e-05)", 1024, ["feature", "affine"], "chain"),
-    # a warp's row at 16 values a thread in every dtype (16-bit rows take 32 past 512 features)
+    # a warp's row at 16 values a thread in every dtype (16-bit rows take 32 past 4096 features)
     ("add(%0,$0);hardtanh(%1,-1.0,1.0);mish(%2);group_norm(%3,$1,$2,16,1e-05)", 512, ["feature", "affine"], "chain"),
     ("group_norm(%0,$0,$1,512,1e-05);min_dim(%1,1,True)", 8192, ["affine"], "chain, min by atomics"),
     ("group_norm(%0,$0,$1,512,1e-05);amin(%1,1,True)", 8192, ["affine"], "chain, min by atomics"),
@@ -320,6 +320,9 @@ ROW_KERNEL_CHOICES = [  # (program, n, param kinds, the row kernel that must run
     ("exp(%0);group_norm(%1,$0,$1,4,1e-05)", 2048, ["affine"], "fast whole all"),  # groups of 512 across warps
     ("layer_norm(%0,$0,$1,1e-05);relu(%1)", 4096, ["affine"], "fast whole light"),  # whole rows across warps
     ("hypot(%0,$0);layer_norm(%1,$1,$2,1e-05)", 1000, ["feature", "affine"], "fast part all"),  # a libm binary op
+    # libdevice ops on long rows: 16 values a thread in 16-bit too (the launcher checks the layout's values)
+    ("gelu(%0,'none');mul(%1,2.0);max_dim(%2,1,False)", 8192, [], "fast whole all"),
+    ("gelu(%0,'none');layer_norm(%1,$0,$1,1e-05)", 8200, ["affine"], "fast part all"),
     ("fmax(%0,$0);layer_norm(%1,$1,$2,1e-05)", 1000, ["feature", "affine"], "fast part light"),
     ("sigmoid(%0);mul(%0,%1)", 1000, [], "lean"),                           # a slot keeps x
     ("add(%0,$0);layer_norm(%1,None,None,1e-05)", 1024, ["full"], "lean"),  # a param per element
@@ -355,9 +358,9 @@ def test_the_fastest_row_kernel_that_takes_the_program_runs(case, precision):
 
 
 def fast_row_values(dtype, n):
-    """Values a thread of the fast row kernel (fast_row_values, program_format.cuh): 32 for 16-bit rows of more
-    than 512 features, else 16."""
-    return 32 if dtype != torch.float32 and n > 512 else 16
+    """Values a thread of the fast row kernel (fast_row_values, program_format.cuh) for a program without libdevice
+    ops: 32 for 16-bit rows of more than 4096 features, else 16."""
+    return 32 if dtype != torch.float32 and n > 4096 else 16
 
 
 def rows_past_the_row_min_slots(threads_per_block, dtype, n):
@@ -443,7 +446,7 @@ def test_every_chain_runs_its_own_kernel(precision):
         variants = max([len(EPILOGUE_OPS[name].samples) for name in chain] + [4])
         for variant in range(variants):
             program, kinds = chain_program(chain, variant)
-            for n in (512, 1024, 8192):  # 16-bit: 16 values a thread, then 32
+            for n in (512, 1024, 8192):  # 16-bit: 16 values a thread up to 4096 features, then 32
                 rows_across_warps = n > 32 * fast_row_values(dtype, n)
                 by_atomics = chain[-1] in ("amin", "min_dim") and rows_across_warps
                 expected = "chain, min by atomics" if by_atomics else "chain"
