@@ -15,7 +15,7 @@ import heapq
 import logging
 import operator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import networkx as nx
 import torch
@@ -139,6 +139,10 @@ class Facts:
     # _ranks_following_arguments: `y.unsqueeze(-1)`, `x.sum(-1, keepdim=True)`): a tensor where those are, a number
     # where one is, which the rewritten graph makes a tensor (number_as_tensor), as it does a forward argument.
     made_of_arguments: frozenset = frozenset()
+    # optimize()'s graphs: the checks (function, args) the rewritten graph can run before any op to tell that a value
+    # has a rank at a call (rewrite's _first_rank_checks; none: only a check where the value is made could tell).
+    # None where ranks are guarded, as Dynamo guards them.
+    rank_checks_before_any_op: Callable[[Any, int], list] | None = None
 
     def resolve(self, obj):
         return self.replaced.get(obj, obj) if isinstance(obj, fx.Node) else obj
@@ -1082,7 +1086,8 @@ def find_region(gm: fx.GraphModule, anchor: fx.Node, canon, facts: Facts):
     largest_problem = None
     for snapshot, output in reversed(candidates):
         region = _region_of(growth, snapshot, output)
-        problem = _gradient_problem(region) or prove_legal(gm, region, facts) or _mutation_problem(region, canon, facts)
+        problem = _gradient_problem(region) or _unchecked_rank_problem(region, facts) or \
+            prove_legal(gm, region, facts) or _mutation_problem(region, canon, facts)
         if problem is None:
             if largest_problem is not None:
                 misses.insert(0, NearMiss(anchor, growth.members[snapshot[0]], largest_problem))
@@ -1102,6 +1107,21 @@ def _gradient_problem(region: Region) -> str | None:
     if len(region.program.instructions) in reaches:
         return None
     return f"{describe(region.output)} depends on the GEMM only through detach, so eager gives the GEMM no gradient"
+
+
+def _unchecked_rank_problem(region: Region, facts: Facts) -> str | None:
+    """A program that holds for one rank of x (region.x_rank) is fused in optimize()'s graphs where a check before
+    any op can tell x's rank at a call, so that a call of another rank runs the model's own forward. Where none can
+    (x is what an op makes whose result's rank does not follow from the forward arguments', such as a hooked module,
+    which may change its inputs and return any rank, and no example inputs gave ranks), the check could only come
+    after that op: it would raise where eager computes (softmax over dim 1 of a 3-D value), and handing the call to
+    the model's forward there would run what ran before it, a hook, twice."""
+    if region.x_rank is None or facts.rank_checks_before_any_op is None or \
+            facts.rank_checks_before_any_op(region.x, region.x_rank):
+        return None
+    return (f"the fused op holds for a {region.x_rank}-D input only, and no check before the model's first op can "
+            f"tell the rank of {describe(region.x)} at a call (a later one would raise where eager computes for "
+            "another rank): pass example inputs")
 
 
 def _region_of(growth: _Growth, snapshot: tuple, output: fx.Node) -> Region:

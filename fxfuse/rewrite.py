@@ -742,7 +742,8 @@ def _first_rank_checks(graph: fx.Graph, x, x_rank: int, following: dict) -> list
     inputs gave it a rank, every tensor argument's example rank (the ranks of what a graph makes follow from its
     inputs' ranks, but for ops such as squeeze(), which require_rank still catches), and where x's rank follows from
     a squeeze of an argument, or an item of one (`following`, with items), the rank that its sizes or its item make;
-    without them, the rank that the arguments x's rank follows from make (`following`); else none."""
+    without them, the rank that the arguments x's rank follows from make (`following`); else none (then the matcher
+    does not fuse a program that holds for one rank of x: match._unchecked_rank_problem)."""
     if _is_argument(x):
         return [(require_argument_rank, (x, x_rank, "input"))]
     checks = []
@@ -1035,6 +1036,12 @@ def fuse_graph(gm: fx.GraphModule, where: str = "", training: bool = False, shap
     # (an item of an argument, `x[0]`, may be a list's, of any kind: its rank is for the first checks only)
     has_items = not shapes_guarded and any(_item_of_argument(node) for node in gm.graph.nodes)
     ranks = _ranks_following_arguments(gm, canon, facts.mutations(canon), items=True) if has_items else following
+    if not shapes_guarded:
+        def rank_checks_before_any_op(x, x_rank: int) -> list[tuple]:
+            """_first_rank_checks' of x, at this point of the rewrite: where there are none, the matcher does not fuse
+            a program that holds for one rank of x (match._unchecked_rank_problem)."""
+            return _first_rank_checks(gm.graph, x, x_rank, ranks)
+        facts.rank_checks_before_any_op = rank_checks_before_any_op
     prefix = f"{where}." if where else ""
     anchors = [n for n, c in canon.items() if c.op == LINEAR and c.problem is None]
     for anchor in anchors:

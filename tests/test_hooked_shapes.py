@@ -225,3 +225,75 @@ def test_a_model_without_hooked_modules_is_not_run():
     seen = []
     fxfuse.optimize(RecordsItsInputs().eval(), (sequences(),))
     assert torch.Tensor not in seen
+
+
+class OpOverTheFeaturesAfterAHookedModule(nn.Module):
+    """fc's program holds for one rank of its input, the hooked module's output: softmax over dim 1 and group_norm
+    take the features as dim 1 of a 2-D value. Of a 3-D value eager computes over another dim."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.pre, self.fc = nn.Linear(IN, IN), nn.Linear(IN, OUT)
+        self.op = op
+
+    def forward(self, x):
+        h = self.fc(self.pre(torch.relu(x)))
+        return torch.softmax(h, dim=1) if self.op == "softmax" else F.group_norm(h, 4)
+
+
+def counting_hook(calls):
+    def hook(module, args, out):
+        calls.append(module)
+        return out * 2.0
+    return hook
+
+
+OVER_THE_FEATURES = ["softmax", "group_norm"]
+
+
+@pytest.mark.parametrize("op", OVER_THE_FEATURES)
+def test_without_example_inputs_a_region_after_a_hooked_module_holds_for_any_rank(op):
+    """Without example inputs no check before the model's first op can tell the rank of fc's input, the hooked
+    module's output, and a refusal after the hook ran would run it twice: the region is not fused (explain says why),
+    and a call of either rank computes what eager does, its hook run once."""
+    model, calls = OpOverTheFeaturesAfterAHookedModule(op).eval(), []
+    model.pre.register_forward_hook(counting_hook(calls))
+    optimized = fxfuse.optimize(model)
+    assert fused_programs(optimized) == []
+    assert_reason(optimized, "pass example inputs")
+    for x in (rows(), torch.randn(BATCH, 4, IN)):
+        with torch.no_grad():
+            expected = model(x)
+            calls.clear()
+            assert_close_report(optimized(x), expected)
+        assert len(calls) == 1
+
+
+@pytest.mark.parametrize("op", OVER_THE_FEATURES)
+def test_with_example_inputs_a_region_after_a_hooked_module_fuses_and_another_rank_runs_the_model(op):
+    """With example inputs the argument's rank, checked before any op, tells that of the hooked module's output: a call
+    of another rank runs the model's own forward, its hook once."""
+    model, calls = OpOverTheFeaturesAfterAHookedModule(op).eval(), []
+    model.pre.register_forward_hook(counting_hook(calls))
+    optimized = assert_fuses(model, (rows(),), regions=1)
+    x = torch.randn(BATCH, 4, IN)
+    with torch.no_grad():
+        expected = model(x)
+        calls.clear()
+        assert_close_report(optimized(x), expected)
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("op", OVER_THE_FEATURES)
+def test_the_backend_computes_a_region_after_a_hooked_module_at_each_rank(op):
+    """Dynamo guards ranks (and runs the hook's code in its graph): each rank gets a graph of its own."""
+    torch._dynamo.reset()
+    model, calls = OpOverTheFeaturesAfterAHookedModule(op).eval(), []
+    model.pre.register_forward_hook(counting_hook(calls))
+    compiled = torch.compile(model, backend="fxfuse", options={"inner": "eager"})
+    for x in (rows(), torch.randn(BATCH, 4, IN)):
+        with torch.no_grad():
+            expected = model(x)
+            calls.clear()
+            assert_close_report(compiled(x), expected)
+        assert len(calls) == 1
