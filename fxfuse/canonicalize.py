@@ -1441,6 +1441,9 @@ def rank_change(node: fx.Node) -> tuple[fx.Node, int | tuple | None, int] | None
         return (node.args[0], 0, 0) if node.args and isinstance(node.args[0], fx.Node) else None
     if node.op == "call_function" and node.target is operator.getitem:
         return _index_change(node)
+    if (node.op == "call_method" and node.target in _RESHAPES) or \
+            (node.op == "call_function" and node.target is torch.reshape):
+        return _reshape_change(node)
     if node.op == "call_method" and node.target in _RANK_CHANGES:
         name = node.target
     elif node.op == "call_function" and node.target in (torch.unsqueeze, torch.flatten, torch.squeeze):
@@ -1468,6 +1471,40 @@ def rank_change(node: fx.Node) -> tuple[fx.Node, int | tuple | None, int] | None
     if (start >= 0) == (end >= 0):
         return (source, start - end, 1) if start <= end else None  # (eager raises for start > end)
     return (source, None, start - end) if start >= 0 else None
+
+
+# Tensor methods that take a shape as varargs or as one tuple or list, and the keyword of that one; torch.reshape's
+_RESHAPES = {"view": "size", "reshape": "shape"}
+_RESHAPE_SIGNATURE = _signature("(input, shape)")
+
+
+def _reshape_change(node: fx.Node) -> tuple | None:
+    """rank_change's (input, offset, least) of `t.view(*shape)`, `t.view(shape)`, `t.reshape(...)` alike, and
+    `torch.reshape(t, shape)`, of a shape given as varargs or as a tuple or list of ints or nodes: as many dims as the
+    shape has, whatever t's (eager raises where a node is no int). Not `t.view(torch.float16)` (a view as a dtype, of
+    t's rank), nor a shape that is one node (`t.view(s)`: an int, one dim, or a torch.Size of any length)."""
+    if node.op == "call_function":
+        try:
+            bound = _RESHAPE_SIGNATURE.bind(*node.args, **node.kwargs)
+        except TypeError:
+            return None
+        source, shape = bound.arguments["input"], bound.arguments["shape"]
+    else:
+        keyword = _RESHAPES[node.target]
+        source, sizes = node.args[0] if node.args else None, tuple(node.args[1:])
+        if set(node.kwargs) - {keyword} or (keyword in node.kwargs and sizes):
+            return None
+        if keyword in node.kwargs:
+            shape = node.kwargs[keyword]
+        elif len(sizes) == 1 and not isinstance(sizes[0], int):
+            shape = sizes[0]  # (a tuple or list; a dtype, or a node, is left out below)
+        else:
+            shape = sizes
+    if not isinstance(source, fx.Node) or not isinstance(shape, (tuple, list)) or \
+            not all(isinstance(size, fx.Node) or (isinstance(size, int) and not isinstance(size, bool))
+                    for size in shape):
+        return None
+    return source, None, len(shape)
 
 
 def _index_change(node: fx.Node) -> tuple | None:

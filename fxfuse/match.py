@@ -320,9 +320,9 @@ class _Growth:
             if known is None and operand.op not in ("placeholder", "call_module") and \
                     operand not in self.facts.made_of_arguments:
                 return (f"cannot prove that {describe(operand)} is a tensor without example inputs (of forward "
-                        "arguments, only what pointwise ops, norms, reductions over one dim, unsqueeze and flatten "
-                        "make is, and a squeeze of an argument, or of pointwise ops of it and numbers, that no op "
-                        "before it may change in place)")
+                        "arguments, only what pointwise ops, norms, reductions over one dim, unsqueeze, flatten, "
+                        "view and reshape make is, and a squeeze of an argument, or of pointwise ops of it and "
+                        "numbers, that no op before it may change in place)")
         tensor = self.facts.tensor(operand)
         if tensor is not None and tensor.dtype != dtype:
             value = torch.empty(0, dtype=dtype, device="meta")

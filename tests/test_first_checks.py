@@ -3,7 +3,8 @@ check before any op can tell (rewrite.py's FIRST_CHECKS), fuse, and a call of an
 result or eager's error (the optimized model runs its model's own forward).
 
 Covered: the GEMM's input made by ops that change the rank by a fixed amount (`x.unsqueeze(0)`, `x.sum(1)`,
-`x[None]`, `x[:, 0]`) or keep it (`x.transpose(1, 2)`), by an item of a forward argument that may be a list, whose
+`x[None]`, `x[:, 0]`) or keep it (`x.transpose(1, 2)`), by a view or reshape to a given shape, whose rank is its own
+(`x.view(x.shape[0], -1)`, `x.reshape(-1, IN)`), by an item of a forward argument that may be a list, whose
 rank the call's argument tells (`xs[0]`, with example inputs too), or by a squeeze of a forward argument, whose rank
 its sizes tell (`x.squeeze(0)`, with example inputs too), an outside operand made of forward arguments
 (`h + x.sum(-1, keepdim=True).unsqueeze(0)`, `h + y.unsqueeze(-1)`), and a forward argument that an add's or sub's
@@ -105,6 +106,67 @@ def test_an_input_made_by_rank_changes_is_checked_first_and_other_ranks_give_eag
     assert _calls_of(optimized, require_broadcast_rank) == 1, optimized.code
     for other in others:
         _eager_or_its_error(model, optimized, torch.randn(other))
+
+
+# ---------------------------------------------------------------- the GEMM's input: a view or reshape to a given shape
+
+# (epilogue, an input it fuses for without example inputs, inputs of other ranks and shapes: eager computes, or raises)
+_X_OF_A_GIVEN_SHAPE = [
+    (lambda m, x, y: F.group_norm(m.fc(x.view(x.shape[0], -1)), 5), (3, 4, 6), [(3, IN), (2, 2, 2, 6), (3, 5), (0, IN)]),
+    (lambda m, x, y: m.fc(x.reshape(-1, IN)).softmax(1), (3, IN), [(2, 3, IN), (IN,), (5, 7)]),
+    (lambda m, x, y: F.group_norm(m.fc(x.view((x.size(0), IN))), 5), (3, IN), [(3, 4, 6), (2, 3, IN)]),
+    (lambda m, x, y: m.fc(x.view(size=[-1, IN])).softmax(1), (3, IN), [(2, 3, IN), (IN,)]),
+    (lambda m, x, y: m.fc(x.reshape(shape=(-1, IN))).amax(1), (3, IN), [(2, 3, IN), (IN,)]),
+    (lambda m, x, y: F.group_norm(m.fc(torch.reshape(x, (-1, IN))), 5), (2, 3, IN), [(3, IN), (IN, 5)]),
+    (lambda m, x, y: m.fc(torch.reshape(input=x, shape=[2, -1, IN])).softmax(2), (2, 3, IN), [(6, IN), (IN,)]),
+    (lambda m, x, y: m.fc(x.reshape(-1, IN).relu()).softmax(1), (3, IN), [(2, 3, IN)]),
+]
+_SHAPE_IDS = ["view-batch-group_norm", "reshape-softmax", "view-tuple-group_norm", "view-size-keyword-softmax",
+              "reshape-shape-keyword-amax", "torch-reshape-group_norm", "torch-reshape-keywords-softmax",
+              "reshape-relu-softmax"]
+
+
+@pytest.mark.parametrize("forward, shape, others", _X_OF_A_GIVEN_SHAPE, ids=_SHAPE_IDS)
+def test_an_input_of_a_given_shape_fuses_and_other_ranks_give_eagers_result(forward, shape, others):
+    """`fc(x.view(b, -1))` is 2-D whatever x's rank: group_norm and softmax(1) hold for it, with no check before any
+    op but a trivial one. Without example inputs it was not fused (no check could tell x's rank); a call of any rank
+    gives eager's result, or eager's error (a view that eager can't make, a size that fc raises for)."""
+    model = GemmThen(forward).eval()
+    optimized = _whole_chain_fused(model, (torch.randn(shape),))
+    for other in others:
+        _eager_or_its_error(model, optimized, torch.randn(other))
+
+
+@pytest.mark.parametrize("forward", [
+    lambda m, x, y: F.group_norm(m.fc(x.view(torch.float32)), 5),
+    lambda m, x, y: F.group_norm(m.fc(x.view(dtype=torch.float32)), 5),
+    lambda m, x, y: F.group_norm(m.fc(x.view(y.shape)), 5),
+    lambda m, x, y: F.group_norm(m.fc(x.view(y.shape[0])), 5),
+    lambda m, x, y: F.group_norm(m.fc(x.reshape(y.shape)), 5),
+    lambda m, x, y: F.group_norm(m.fc(torch.reshape(x, y.shape)), 5),
+], ids=["view-dtype", "view-dtype-keyword", "view-shape-of-y", "view-node", "reshape-shape-of-y",
+        "torch-reshape-shape-of-y"])
+def test_a_view_whose_rank_is_not_given_is_not_fused_without_example_inputs(forward):
+    """`x.view(torch.float32)` keeps x's rank, and `x.view(y.shape)`'s is y's, which may be a number's or a Size's:
+    no check before any op tells it, and group_norm is not fused; calls of either rank give eager's result."""
+    model = GemmThen(forward).eval()
+    optimized = fxfuse.optimize(model)
+    assert fused_op_count(optimized) == 0, optimized.fxfuse_report
+    assert_reason(optimized, "pass example inputs")
+    for x, y in ((torch.randn(4, IN), torch.randn(4, IN)), (torch.randn(2, 2, IN), torch.randn(2, 2, IN)),
+                 (torch.randn(4, IN), torch.randn(2, 2, IN))):
+        _eager_or_its_error(model, optimized, x, y)
+
+
+def test_an_outside_operand_of_a_given_shape_is_taken_for_a_tensor():
+    """`h + y.reshape(-1, OUT)` is a tensor where eager computes (a number has no reshape): it fuses without example
+    inputs, where it was refused ("cannot prove that ... is a tensor"), and computes eager's result, or error, for y
+    of other ranks and dtypes."""
+    model = GemmThen(lambda m, x, y: m.fc(x) + y.reshape(-1, OUT)).eval()
+    _whole_chain_fused(model, (torch.randn(3, IN), torch.randn(3, OUT)))
+    optimized = fxfuse.optimize(model)
+    for y in (torch.randn(3, 1, OUT), torch.randn(3, OUT, dtype=torch.float64), torch.randn(6, OUT), 2.0):
+        _eager_or_its_error(model, optimized, torch.randn(3, IN), y)
 
 
 # ---------------------------------------------------------------- the GEMM's input: an item of a forward argument
