@@ -1507,6 +1507,24 @@ def _reshape_change(node: fx.Node) -> tuple | None:
     return source, None, len(shape)
 
 
+# torch functions that join tensors (a tuple or list of them, their first argument) along a dim: the dims they add
+_JOINS = {torch.cat: 0, torch.concat: 0, torch.concatenate: 0, torch.stack: 1}
+
+
+def joined_tensors(node: fx.Node) -> tuple[tuple[fx.Node, ...], int] | None:
+    """(tensors, more) where `node` joins `tensors`, a tuple or list of nodes, into a tensor of their rank, `more` dims
+    more: torch.cat, concat and concatenate (whose tensors are of one rank, or 1-D and empty, which they skip: the
+    result has the most dims of them, where eager computes), torch.stack (one more; of tensors of one shape). Not into
+    a tensor of the graph (`out=`), nor a list that is a node (a forward argument, of any length). None for any
+    other node."""
+    if node.op != "call_function" or node.target not in _JOINS or "out" in node.kwargs:
+        return None
+    tensors = node.args[0] if node.args else node.kwargs.get("tensors")
+    if not isinstance(tensors, (tuple, list)) or not tensors or not all(isinstance(t, fx.Node) for t in tensors):
+        return None
+    return tuple(tensors), _JOINS[node.target]
+
+
 def _index_change(node: fx.Node) -> tuple | None:
     """rank_change's (input, offset, least) of `t[index]` with basic indices only: one dim more per None, one fewer per
     int, slices and Ellipsis keep theirs. A bare int or slice of a forward argument is left out: the argument may be a

@@ -20,8 +20,8 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .canonicalize import (FEATURE_POOL, IDENTITY, LINEAR, SQUEEZED, Attr, augmented_assignment, canonicalize,
-                           has_call_hooks, hooks_of, rank_change, restore_readers_outside_regions, shape_after,
-                           shape_step)
+                           has_call_hooks, hooks_of, joined_tensors, rank_change, restore_readers_outside_regions,
+                           shape_after, shape_step)
 from .epilogue import EPILOGUE_OPS, NORM, POINTWISE, REDUCTION
 from .library import gemm_epilogue, gemm_epilogue_train
 from .match import Facts, Region, find_region, module_tensor, module_tensor_path
@@ -636,8 +636,9 @@ def _ranks_following_arguments(gm: fx.GraphModule, canon: dict, mutations: list,
     their value's rank (pointwise ops, no-ops, norms, reductions that keep the dim, average pools over the features,
     folded or not, and GEMMs with a module weight: an x of 1 dim or more keeps its rank; the most dims of their
     operands, module tensors' included), and by ops that change it by a fixed amount: a reduction over one dim
-    without keepdim (one fewer, of 1 dim or more), canonicalize.rank_change's (`unsqueeze`, `flatten`); and a squeeze
-    of an argument, or of what ops that keep its shape, squeezes and unsqueezes make of it alone
+    without keepdim (one fewer, of 1 dim or more), canonicalize.rank_change's (`unsqueeze`, `flatten`), and by
+    canonicalize.joined_tensors' (`torch.cat`: the most dims of what it joins; `torch.stack`: one more); and a
+    squeeze of an argument, or of what ops that keep its shape, squeezes and unsqueezes make of it alone
     (`x.relu().squeeze(0)`, `x.unsqueeze(1).squeeze(0)`), whose rank the argument's sizes tell (an offset (SQUEEZED,
     dims, more[, steps])), where no op before it may change the argument in place (`x.t_()`: the sizes the first
     checks see are the call's). `mutations`: Facts.mutations'. `items`: also what is made of an int item of an
@@ -684,6 +685,15 @@ def _ranks_following_arguments(gm: fx.GraphModule, canon: dict, mutations: list,
                                 for argument, known in made_of.items()},
                                max(least, most + (offset or 0)) if offset is not None else least)
             continue
+        joined = joined_tensors(node) if c is None else None
+        if joined is not None:  # (the most dims of what it joins, `more` dims more)
+            tensors, more = joined
+            made_of = _merged_offsets(following, tensors) if all(t in following for t in tensors) else None
+            if made_of is not None:
+                following[node] = ({argument: None if offset is None else _shifted(offset, more)
+                                    for argument, offset in made_of.items()},
+                                   max(following[t][1] for t in tensors) + more)
+            continue
         if c is None or (c.problem and not _pool_of_its_inputs_rank(gm, node, c)):
             continue
         spec = EPILOGUE_OPS.get(c.op)
@@ -700,11 +710,8 @@ def _ranks_following_arguments(gm: fx.GraphModule, canon: dict, mutations: list,
         tensors = [module_tensor(gm, path) if (path := module_tensor_path(o)) is not None else None
                    for o in operands if isinstance(o, (fx.Node, Attr)) and o not in values]
         if values and all(value in following for value in values) and all(t is not None for t in tensors):
-            made_of = {}
-            for value in values:  # (an argument read twice counts with its larger offset)
-                for argument, offset in following[value][0].items():
-                    made_of[argument] = _larger_offset(made_of.get(argument), offset)
-            if _UNKNOWN in made_of.values():
+            made_of = _merged_offsets(following, values)
+            if made_of is None:
                 continue
             most = max([*(following[value][1] for value in values), *(tensor.dim() for tensor in tensors)])
             if drops_dim:  # one dim fewer, of 1 dim or more (a 0-d value stays 0-d)
@@ -713,6 +720,16 @@ def _ranks_following_arguments(gm: fx.GraphModule, canon: dict, mutations: list,
                 most = max(most - 1, 0)
             following[node] = (made_of, most)
     return following
+
+
+def _merged_offsets(following: dict, values) -> dict | None:
+    """The offsets of the arguments that `values` (each in `following`) are made of, for a value of their most dims:
+    an argument read twice counts with its larger offset; None where which is larger depends on its sizes."""
+    made_of = {}
+    for value in values:
+        for argument, offset in following[value][0].items():
+            made_of[argument] = _larger_offset(made_of.get(argument), offset)
+    return None if _UNKNOWN in made_of.values() else made_of
 
 
 def _pool_of_its_inputs_rank(gm: fx.GraphModule, node: fx.Node, c) -> bool:

@@ -4,11 +4,11 @@ result or eager's error (the optimized model runs its model's own forward).
 
 Covered: the GEMM's input made by ops that change the rank by a fixed amount (`x.unsqueeze(0)`, `x.sum(1)`,
 `x[None]`, `x[:, 0]`) or keep it (`x.transpose(1, 2)`), by a view or reshape to a given shape, whose rank is its own
-(`x.view(x.shape[0], -1)`, `x.reshape(-1, IN)`), by an item of a forward argument that may be a list, whose
-rank the call's argument tells (`xs[0]`, with example inputs too), or by a squeeze of a forward argument, whose rank
-its sizes tell (`x.squeeze(0)`, with example inputs too), an outside operand made of forward arguments
-(`h + x.sum(-1, keepdim=True).unsqueeze(0)`, `h + y.unsqueeze(-1)`), and a forward argument that an add's or sub's
-alpha scales before the region reads it (`torch.sub(h, y, alpha=2)`).
+(`x.view(x.shape[0], -1)`, `x.reshape(-1, IN)`), by torch.cat or torch.stack of such values, by an item of a forward
+argument that may be a list, whose rank the call's argument tells (`xs[0]`, with example inputs too), or by a
+squeeze of a forward argument, whose rank its sizes tell (`x.squeeze(0)`, with example inputs too), an outside
+operand made of forward arguments (`h + x.sum(-1, keepdim=True).unsqueeze(0)`, `h + y.unsqueeze(-1)`), and a forward
+argument that an add's or sub's alpha scales before the region reads it (`torch.sub(h, y, alpha=2)`).
 """
 import pickle
 import re
@@ -167,6 +167,57 @@ def test_an_outside_operand_of_a_given_shape_is_taken_for_a_tensor():
     optimized = fxfuse.optimize(model)
     for y in (torch.randn(3, 1, OUT), torch.randn(3, OUT, dtype=torch.float64), torch.randn(6, OUT), 2.0):
         _eager_or_its_error(model, optimized, torch.randn(3, IN), y)
+
+
+# ---------------------------------------------------------------- the GEMM's input: joined tensors
+
+# (epilogue, inputs it fuses for without example inputs, inputs of other ranks: eager computes, or raises)
+_X_JOINED = [
+    (lambda m, x, y: F.group_norm(m.fc(torch.cat([x, y], 1)), 5), ((3, 20), (3, 4)),
+     [((2, 3, 20), (2, 3, 4)), ((3, 20), (3, 1, 4)), ((3, IN), (0,)), ((IN,), (0,))]),
+    (lambda m, x, y: m.fc(torch.concat((x, y), dim=-1)).softmax(1), ((3, 20), (3, 4)),
+     [((2, 3, 20), (2, 3, 4)), ((20,), (4,))]),
+    (lambda m, x, y: m.fc(torch.concatenate([x, y.relu()], axis=0)).amax(1), ((2, IN), (3, IN)),
+     [((2, 2, IN), (1, 2, IN)), ((IN,), (IN,))]),
+    (lambda m, x, y: F.group_norm(m.fc(torch.stack([x, y])), 5), ((IN,), (IN,)),
+     [((3, IN), (3, IN)), ((IN,), (3, IN))]),
+    (lambda m, x, y: m.fc(torch.cat([x.unsqueeze(0), y], 0)).softmax(1), ((IN,), (3, IN)),
+     [((2, IN), (1, 2, IN)), ((IN,), (IN,))]),
+]
+_JOINED_IDS = ["cat-group_norm", "concat-softmax", "concatenate-relu-amax", "stack-group_norm", "cat-unsqueeze-softmax"]
+
+
+@pytest.mark.parametrize("forward, shapes, others", _X_JOINED, ids=_JOINED_IDS)
+def test_an_input_made_by_joining_arguments_is_checked_first_and_other_ranks_give_eagers_result(forward, shapes,
+                                                                                                 others):
+    """`torch.cat([x, y], 1)` has its inputs' rank (eager raises where they differ, and skips 1-D empty ones), and
+    torch.stack one more: group_norm and softmax(1) of fc of it hold for one rank, which the check before any op
+    tells of x's and y's. Without example inputs it was not fused; a call of another rank gives eager's result, or
+    eager's error."""
+    model = GemmThen(forward).eval()
+    optimized = _whole_chain_fused(model, tuple(torch.randn(shape) for shape in shapes))
+    assert _calls_of(optimized, require_broadcast_rank) == 1, optimized.code
+    for other in others:
+        _eager_or_its_error(model, optimized, *(torch.randn(shape) for shape in other))
+
+
+def test_an_outside_operand_made_by_cat_is_taken_for_a_tensor():
+    """`h + torch.cat([y, y], -1)` is a tensor where eager computes: it fuses without example inputs, and computes
+    eager's result, or error, for y of other ranks and dtypes, or a number."""
+    model = GemmThen(lambda m, x, y: m.fc(x) + torch.cat([y, y], -1)).eval()
+    _whole_chain_fused(model, (torch.randn(3, IN), torch.randn(3, OUT // 2)))
+    optimized = fxfuse.optimize(model)
+    for y in (torch.randn(2, 3, OUT // 2), torch.randn(3, OUT // 2, dtype=torch.float64), torch.randn(OUT // 2), 2.0):
+        _eager_or_its_error(model, optimized, torch.randn(3, IN), y)
+
+
+def test_cat_into_a_tensor_is_not_followed():
+    """`torch.cat([x, y], 1, out=z)` writes into z: what it makes is not followed, and group_norm is not fused."""
+    model = GemmThen(lambda m, x, y: F.group_norm(m.fc(torch.cat([x, x], 1, out=y)), 5), in_features=2 * IN).eval()
+    optimized = fxfuse.optimize(model)
+    assert fused_op_count(optimized) == 0, optimized.fxfuse_report
+    for x in (torch.randn(3, IN), torch.randn(2, 3, IN)):
+        _eager_or_its_error(model, optimized, x, torch.empty(0))
 
 
 # ---------------------------------------------------------------- the GEMM's input: an item of a forward argument
