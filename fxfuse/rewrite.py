@@ -637,8 +637,9 @@ def _ranks_following_arguments(gm: fx.GraphModule, canon: dict, mutations: list,
     folded or not, and GEMMs with a module weight: an x of 1 dim or more keeps its rank; the most dims of their
     operands, module tensors' included), and by ops that change it by a fixed amount: a reduction over one dim
     without keepdim (one fewer, of 1 dim or more), canonicalize.rank_change's (`unsqueeze`, `flatten`), and by
-    canonicalize.joined_tensors' (`torch.cat`: the most dims of what it joins; `torch.stack`: one more); and a
-    squeeze of an argument, or of what ops that keep its shape, squeezes and unsqueezes make of it alone
+    canonicalize.joined_tensors' (`torch.cat`: the most dims of what it joins; `torch.stack`: one more); a view or
+    reshape to a given shape, of anything (`conv(x).view(b, -1)`, made of no argument: ({}, its rank)); and a squeeze
+    of an argument, or of what ops that keep its shape, squeezes and unsqueezes make of it alone
     (`x.relu().squeeze(0)`, `x.unsqueeze(1).squeeze(0)`), whose rank the argument's sizes tell (an offset (SQUEEZED,
     dims, more[, steps])), where no op before it may change the argument in place (`x.t_()`: the sizes the first
     checks see are the call's). `mutations`: Facts.mutations'. `items`: also what is made of an int item of an
@@ -673,6 +674,9 @@ def _ranks_following_arguments(gm: fx.GraphModule, canon: dict, mutations: list,
             argument, steps = shaped_as[step[0]]
             shaped_as[node] = (argument, (*steps, step[1]))
         reshaped = rank_change(node) if c is None else None
+        if reshaped is not None and reshaped[1] is None and reshaped[0] not in following:
+            following[node] = ({}, reshaped[2])  # (a rank of its own whatever its input's: `conv(x).view(b, -1)`)
+            continue
         if reshaped is not None and reshaped[0] in following:
             source, offset, least = reshaped
             if isinstance(offset, tuple):  # (a squeeze: of an argument's own sizes, as the call gave them)
@@ -1049,7 +1053,8 @@ def fuse_graph(gm: fx.GraphModule, where: str = "", training: bool = False, shap
     facts = Facts(gm, differentiated=training or not shapes_guarded, inputs_guarded=shapes_guarded)
     facts.position = {node: i for i, node in enumerate(gm.graph.nodes)}
     following = {} if shapes_guarded else _ranks_following_arguments(gm, canon, facts.mutations(canon))
-    facts.made_of_arguments = frozenset(following)
+    # (not what is made of no argument, `conv(x).view(b, -1)`: a rank of its own, no tensor that a check first tells)
+    facts.made_of_arguments = frozenset(node for node, (made_of, _) in following.items() if made_of)
     # (an item of an argument, `x[0]`, may be a list's, of any kind: its rank is for the first checks only)
     has_items = not shapes_guarded and any(_item_of_argument(node) for node in gm.graph.nodes)
     ranks = _ranks_following_arguments(gm, canon, facts.mutations(canon), items=True) if has_items else following

@@ -169,6 +169,31 @@ def test_an_outside_operand_of_a_given_shape_is_taken_for_a_tensor():
         _eager_or_its_error(model, optimized, torch.randn(3, IN), y)
 
 
+class ConvolutionHead(nn.Module):
+    """A CNN's head: a convolution's output made rows (`h.view(h.size(0), -1)`, `torch.flatten(h, 1)`,
+    `h.reshape(-1, 64)`), then fc and softmax over its features."""
+
+    def __init__(self, rows):
+        super().__init__()
+        self.conv, self.fc, self.rows = nn.Conv2d(3, 4, 3, padding=1), nn.Linear(64, OUT), rows
+
+    def forward(self, x):
+        return torch.softmax(self.fc(self.rows(self.conv(x))), dim=1)
+
+
+@pytest.mark.parametrize("rows", [lambda h: h.view(h.size(0), -1), lambda h: torch.flatten(h, 1),
+                                  lambda h: h.reshape(-1, 64)], ids=["view", "flatten", "reshape"])
+def test_a_convolutions_output_of_a_given_shape_fuses(rows):
+    """The convolution's output is of no rank the checks follow, but its view to 2 dims is 2-D whatever it is:
+    softmax(1) fuses without example inputs (it was refused), and a call of either rank of x gives eager's result, or
+    eager's error (an unbatched x makes 4 rows of 16 features for view, 1 of 64 for reshape)."""
+    model = ConvolutionHead(rows).eval()
+    optimized = fxfuse.optimize(model)
+    assert fused_op_count(optimized) == 1, optimized.fxfuse_report
+    for x in (torch.randn(2, 3, 4, 4), torch.randn(3, 4, 4)):
+        _eager_or_its_error(model, optimized, x)
+
+
 # ---------------------------------------------------------------- the GEMM's input: joined tensors
 
 # (epilogue, inputs it fuses for without example inputs, inputs of other ranks: eager computes, or raises)

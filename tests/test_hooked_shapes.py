@@ -297,3 +297,69 @@ def test_the_backend_computes_a_region_after_a_hooked_module_at_each_rank(op):
             calls.clear()
             assert_close_report(compiled(x), expected)
         assert len(calls) == 1
+
+
+class OpOverTheFeaturesOfAViewAfterAHookedModule(nn.Module):
+    """fc's input is the hooked module's output reshaped to 2 dims, whatever rank the module returns: softmax over
+    dim 1 and group_norm hold for it at every call."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.pre, self.fc = nn.Linear(IN, IN), nn.Linear(IN, OUT)
+        self.op = op
+
+    def forward(self, x):
+        h = self.fc(self.pre(torch.relu(x)).reshape(-1, IN))
+        return torch.softmax(h, dim=1) if self.op == "softmax" else F.group_norm(h, 4)
+
+
+def rank_adding_hook(calls):
+    def hook(module, args, out):
+        calls.append(module)
+        return out.unsqueeze(0) * 2.0
+    return hook
+
+
+@pytest.mark.parametrize("hook", [counting_hook, rank_adding_hook], ids=["keeps-the-rank", "adds-a-dim"])
+@pytest.mark.parametrize("op", OVER_THE_FEATURES)
+def test_without_example_inputs_a_region_after_a_reshape_of_a_hooked_modules_output_fuses(op, hook):
+    """`fc(hooked(x).reshape(-1, IN))` is 2-D whatever the hook returns: the region fuses without example inputs
+    (it was refused, as no check could tell the rank of what the hook returns), and a call of either rank computes
+    what eager does, its hook run once."""
+    model, calls = OpOverTheFeaturesOfAViewAfterAHookedModule(op).eval(), []
+    model.pre.register_forward_hook(hook(calls))
+    optimized = fxfuse.optimize(model)
+    assert len(fused_programs(optimized)) == 1, optimized.fxfuse_report
+    for x in (rows(), torch.randn(BATCH, 4, IN)):
+        with torch.no_grad():
+            expected = model(x)
+            calls.clear()
+            assert_close_report(optimized(x), expected)
+        assert len(calls) == 1
+
+
+class OpOverTheFeaturesOfACatAfterAHookedModule(nn.Module):
+    """fc's input joins the hooked module's output, of any rank, to x: softmax over dim 1 holds for a 2-D one."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre, self.fc = nn.Linear(IN, IN), nn.Linear(2 * IN, OUT)
+
+    def forward(self, x):
+        return torch.softmax(self.fc(torch.cat([self.pre(torch.relu(x)), x], -1)), dim=1)
+
+
+def test_without_example_inputs_a_region_after_a_cat_of_a_hooked_modules_output_is_not_fused():
+    """torch.cat has the rank of what it joins, but the hooked module's output may be of any rank: no check before any
+    op tells it, and the region is not fused; a call of either rank computes what eager does, its hook run once."""
+    model, calls = OpOverTheFeaturesOfACatAfterAHookedModule().eval(), []
+    model.pre.register_forward_hook(counting_hook(calls))
+    optimized = fxfuse.optimize(model)
+    assert "softmax" not in " ".join(fused_programs(optimized)), optimized.fxfuse_report
+    assert_reason(optimized, "pass example inputs")
+    for x in (rows(), torch.randn(BATCH, 4, IN)):
+        with torch.no_grad():
+            expected = model(x)
+            calls.clear()
+            assert_close_report(optimized(x), expected)
+        assert len(calls) == 1
