@@ -76,8 +76,8 @@ struct Instruction {
 // fast_row.cuh); any other program is interpreted. These are the epilogues of the bundled examples, whose row
 // kernels take 11-25% less time this way on the H100 (dev/NOTES.md, variant 57), first as the examples spell
 // them (nn.Hardtanh, torch.min(h, 1)[0]), then with torch.clamp and torch.amin, which compute the same values.
-// Adding a chain is one line here and about 0.6 s of nvcc per arch in each fast translation unit (row_fast_bf16_32_values.cu
-// for sm_90a: 32.8 s without the first four, 35.3 s with them).
+// Adding a chain is one line here and about 0.6 s of nvcc per arch in each fast translation unit (the bf16 fast
+// kernels' unit for sm_90a: 32.8 s without the first four, 35.3 s with them).
 #define FXFUSE_ROW_CHAINS(X)                     \
   X(OP_group_norm, OP_hardtanh)                  \
   X(OP_group_norm, OP_leaky_relu, OP_add)        \
