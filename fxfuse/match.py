@@ -143,6 +143,9 @@ class Facts:
     # has a rank at a call (rewrite's _first_rank_checks; none: only a check where the value is made could tell).
     # None where ranks are guarded, as Dynamo guards them.
     rank_checks_before_any_op: Callable[[Any, int], list] | None = None
+    # optimize()'s graphs: the values whose rank an op may change in place (`v.unsqueeze_(0)`, `out=v`), which no
+    # check before any op tells (rewrite's _values_whose_rank_may_change_in_place)
+    rank_changed_in_place: frozenset = frozenset()
 
     def resolve(self, obj):
         return self.replaced.get(obj, obj) if isinstance(obj, fx.Node) else obj
@@ -1116,8 +1119,13 @@ def _unchecked_rank_problem(region: Region, facts: Facts) -> str | None:
     which may change its inputs and return any rank, and no example inputs gave ranks), the check could only come
     after that op: it would raise where eager computes (softmax over dim 1 of a 3-D value), and handing the call to
     the model's forward there would run what ran before it, a hook, twice."""
-    if region.x_rank is None or facts.rank_checks_before_any_op is None or \
-            facts.rank_checks_before_any_op(region.x, region.x_rank):
+    if region.x_rank is None or facts.rank_checks_before_any_op is None:
+        return None
+    if region.x in facts.rank_changed_in_place:
+        return (f"the fused op holds for a {region.x_rank}-D input only, and an op may change the rank of "
+                f"{describe(region.x)} in place (`unsqueeze_`, `out=`, a hooked module): no check before the model's "
+                "first op can tell it at a call, and a later one would raise where eager computes for another rank")
+    if facts.rank_checks_before_any_op(region.x, region.x_rank):
         return None
     return (f"the fused op holds for a {region.x_rank}-D input only, and no check before the model's first op can "
             f"tell the rank of {describe(region.x)} at a call (a later one would raise where eager computes for "

@@ -24,7 +24,7 @@ from .canonicalize import (FEATURE_POOL, IDENTITY, LINEAR, SQUEEZED, Attr, augme
                            shape_after, shape_step)
 from .epilogue import EPILOGUE_OPS, NORM, POINTWISE, REDUCTION
 from .library import gemm_epilogue, gemm_epilogue_train
-from .match import Facts, Region, find_region, module_tensor, module_tensor_path
+from .match import _OPERATOR_IN_PLACE, Facts, Region, find_region, module_tensor, module_tensor_path
 from .program import Param, drop_unread_params, hoist_param_steps
 from .report import FusedRow, MissRow, Report
 
@@ -726,6 +726,63 @@ def _ranks_following_arguments(gm: fx.GraphModule, canon: dict, mutations: list,
     return following
 
 
+# In-place methods that keep their tensor's rank (eager's pointwise in-place ops keep its shape, or raise)
+_RANK_KEEPING_IN_PLACE = frozenset(("transpose_", "t_", "swapdims_", "swapaxes_", "copy_", "fill_", "zero_",
+                                    "masked_fill_", "requires_grad_"))
+
+
+def _values_whose_rank_may_change_in_place(gm: fx.GraphModule, canon: dict, mutations: list) -> frozenset:
+    """The values whose rank an op may change in place (`v.unsqueeze_(0)`, `out=v`, which resizes v, a hooked
+    module or a function of the user's given v), and the values that may be the same tensor as one of them (each
+    value and the values it is made of, but through GEMMs, views, reshapes, unsqueezes and joins, which make tensors
+    of their own): the first checks tell such a value's rank as the graph makes it, not as that op leaves it.
+    `mutations`: Facts.mutations'."""
+    changed = [mutated for node, values in mutations if not _keeps_rank_in_place(node, canon)
+               for mutated in values if isinstance(mutated, fx.Node)]
+    if not changed:
+        return frozenset()
+    same_tensor = {}  # node -> the nodes it may be the same tensor as, either way
+    for node in gm.graph.nodes:
+        if _makes_a_tensor_of_its_own(node, canon):
+            continue
+        for value in node.all_input_nodes:
+            same_tensor.setdefault(node, set()).add(value)
+            same_tensor.setdefault(value, set()).add(node)
+    found, stack = set(changed), list(changed)
+    while stack:
+        for value in same_tensor.get(stack.pop(), ()):
+            if value not in found:
+                found.add(value)
+                stack.append(value)
+    return frozenset(found)
+
+
+def _keeps_rank_in_place(node: fx.Node, canon: dict) -> bool:
+    """Whether `node`, which changes tensors in place, surely keeps their ranks: an in-place pointwise op, item
+    assignment, an augmented assignment, a transpose or fill; not `unsqueeze_`, `resize_`, `out=`, user code."""
+    if "out" in node.kwargs:
+        return False
+    c = canon.get(node)
+    if c is not None and c.inplace_of is not None:
+        return True
+    if node.op == "call_function":
+        return node.target is operator.setitem or node.target is augmented_assignment or \
+            node.target in _OPERATOR_IN_PLACE
+    return node.op == "call_method" and node.target in _RANK_KEEPING_IN_PLACE
+
+
+def _makes_a_tensor_of_its_own(node: fx.Node, canon: dict) -> bool:
+    """Whether `node` surely makes a tensor other than any of its inputs: a GEMM, a view, reshape, unsqueeze or
+    squeeze (not flatten, which returns its input where it changes nothing, nor an item of a list), a join."""
+    c = canon.get(node)
+    if c is not None:
+        return c.op == LINEAR
+    changed = rank_change(node)
+    if changed is not None:
+        return node.target not in (operator.getitem, "flatten", torch.flatten)
+    return joined_tensors(node) is not None
+
+
 def _merged_offsets(following: dict, values) -> dict | None:
     """The offsets of the arguments that `values` (each in `following`) are made of, for a value of their most dims:
     an argument read twice counts with its larger offset; None where which is larger depends on its sizes."""
@@ -1059,6 +1116,9 @@ def fuse_graph(gm: fx.GraphModule, where: str = "", training: bool = False, shap
     has_items = not shapes_guarded and any(_item_of_argument(node) for node in gm.graph.nodes)
     ranks = _ranks_following_arguments(gm, canon, facts.mutations(canon), items=True) if has_items else following
     if not shapes_guarded:
+        # (nor where an op may change x's rank in place, `x.unsqueeze_(0)`: the first checks would see it before)
+        facts.rank_changed_in_place = _values_whose_rank_may_change_in_place(gm, canon, facts.mutations(canon))
+
         def rank_checks_before_any_op(x, x_rank: int) -> list[tuple]:
             """_first_rank_checks' of x, at this point of the rewrite: where there are none, the matcher does not fuse
             a program that holds for one rank of x (match._unchecked_rank_problem)."""

@@ -488,6 +488,41 @@ def test_squeeze_after_an_op_that_may_change_the_arguments_shape_in_place_is_not
         assert_close_report(optimized(x.clone()), model(x.clone()))
 
 
+def _unsqueezed_in_place(value, through=lambda v: v):
+    """`value`, after `through(value).unsqueeze_(0)`, which changes value's rank where `through` returns value."""
+    through(value).unsqueeze_(0)
+    return value
+
+
+def _written_into(value, source):
+    """`value`, after `torch.add(source, 1, out=value)`, which resizes value to source's shape."""
+    torch.add(source, 1, out=value)
+    return value
+
+
+@pytest.mark.parametrize("forward, shapes", [
+    (lambda m, x, y: m.fc(_unsqueezed_in_place(x)).softmax(1), ((3, IN), (1,))),
+    (lambda m, x, y: m.fc(_unsqueezed_in_place(x.view(x.size(0), -1))).softmax(1), ((3, IN), (1,))),
+    (lambda m, x, y: m.fc(_unsqueezed_in_place(x.flatten(1))).softmax(1), ((3, IN), (1,))),
+    (lambda m, x, y: m.fc(_unsqueezed_in_place(x.relu(), lambda v: v.contiguous())).softmax(1), ((3, IN), (1,))),
+    (lambda m, x, y: F.group_norm(m.fc(_unsqueezed_in_place(torch.cat([x, y], 0))), 5), ((3, IN), (2, IN))),
+    (lambda m, x, y: m.fc(_written_into(x.view(-1, IN), y)).softmax(1), ((3, IN), (2, 3, IN))),
+], ids=["argument-unsqueeze_", "view-unsqueeze_", "flatten-unsqueeze_", "relu-contiguous-unsqueeze_",
+        "cat-unsqueeze_", "view-out="])
+@pytest.mark.filterwarnings("ignore:An output with one or more elements was resized")
+def test_a_value_whose_rank_an_op_may_change_in_place_is_not_fused(forward, shapes):
+    """The first checks tell x's rank as made (`x.view(b, -1)` is 2-D), but an op before the region may change it in
+    place (`unsqueeze_`, `out=` resizes): the check there raised fxfuse's rank error where eager computes (softmax over
+    dim 1 of a 3-D value). The program that holds for one rank is not fused."""
+    model = GemmThen(forward).eval()
+    optimized = fxfuse.optimize(model)
+    assert fused_op_count(optimized) == 0, optimized.fxfuse_report
+    assert_reason(optimized, "in place (`unsqueeze_`, `out=`, a hooked module): no check before the model's first op")
+    inputs = tuple(torch.randn(shape) for shape in shapes)
+    with torch.no_grad():
+        assert_close_report(optimized(*(t.clone() for t in inputs)), model(*(t.clone() for t in inputs)))
+
+
 @pytest.mark.parametrize("forward", [
     lambda m, x, y: F.group_norm(m.fc((x * m.fc.weight[0]).squeeze(0)), 5),
     lambda m, x, y: F.group_norm(m.fc((x + y).squeeze(0)), 5),
