@@ -146,6 +146,9 @@ class Facts:
     # optimize()'s graphs: the values whose rank an op may change in place (`v.unsqueeze_(0)`, `out=v`), which no
     # check before any op tells (rewrite's _values_whose_rank_may_change_in_place)
     rank_changed_in_place: frozenset = frozenset()
+    # optimize()'s graphs: rewrite's _ranks_following_arguments (with items): value -> ({argument: its offset}, the
+    # fewest dims it has), whose first check (require_broadcast_rank) finds at least those dims
+    following_ranks: dict = field(default_factory=dict)
 
     def resolve(self, obj):
         return self.replaced.get(obj, obj) if isinstance(obj, fx.Node) else obj
@@ -1125,6 +1128,12 @@ def _unchecked_rank_problem(region: Region, facts: Facts) -> str | None:
         return (f"the fused op holds for a {region.x_rank}-D input only, and an op may change the rank of "
                 f"{describe(region.x)} in place (`unsqueeze_`, `out=`, a hooked module): no check before the model's "
                 "first op can tell it at a call, and a later one would raise where eager computes for another rank")
+    if region.x in facts.following_ranks:  # (a first check that fails at every call: the fused op would never run)
+        made_of, fewest = facts.following_ranks[region.x]
+        fixed = all(offset is None for offset in made_of.values())
+        if fewest > region.x_rank or (fixed and fewest != region.x_rank):
+            return (f"the fused op holds for a {region.x_rank}-D input only, and {describe(region.x)} has "
+                    f"{fewest if fixed else f'{fewest} or more'} dims at every call")
     if facts.rank_checks_before_any_op(region.x, region.x_rank):
         return None
     return (f"the fused op holds for a {region.x_rank}-D input only, and no check before the model's first op can "

@@ -1118,6 +1118,7 @@ def fuse_graph(gm: fx.GraphModule, where: str = "", training: bool = False, shap
     if not shapes_guarded:
         # (nor where an op may change x's rank in place, `x.unsqueeze_(0)`: the first checks would see it before)
         facts.rank_changed_in_place = _values_whose_rank_may_change_in_place(gm, canon, facts.mutations(canon))
+        facts.following_ranks = ranks
 
         def rank_checks_before_any_op(x, x_rank: int) -> list[tuple]:
             """_first_rank_checks' of x, at this point of the rewrite: where there are none, the matcher does not fuse

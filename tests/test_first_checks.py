@@ -158,6 +158,22 @@ def test_a_view_whose_rank_is_not_given_is_not_fused_without_example_inputs(forw
         _eager_or_its_error(model, optimized, x, y)
 
 
+@pytest.mark.parametrize("forward", [
+    lambda m, x, y: m.fc(x.view(x.size(0), 1, -1)).softmax(1),
+    lambda m, x, y: F.group_norm(m.fc(x.reshape(3, -1, IN)), 5),
+    lambda m, x, y: m.fc(torch.stack([x.view(-1, IN), y])).softmax(1),
+], ids=["view-3d-softmax", "reshape-3d-group_norm", "stack-of-a-view-softmax"])
+def test_an_input_of_more_dims_than_the_program_holds_for_is_not_fused(forward):
+    """`fc(x.view(b, 1, -1))` is 3-D at every call, and softmax(1) holds for a 2-D input: its first check failed at
+    every call, which ran the model's own forward, while the report said it fused. It is a near miss that says why."""
+    model = GemmThen(forward).eval()
+    optimized = fxfuse.optimize(model)
+    assert fused_op_count(optimized) == 0, optimized.fxfuse_report
+    assert_reason(optimized, "dims at every call")
+    for x, y in ((torch.randn(3, IN), torch.randn(3, IN)), (torch.randn(3, 2, IN // 2), torch.randn(3, IN))):
+        _eager_or_its_error(model, optimized, x, y)
+
+
 def test_an_outside_operand_of_a_given_shape_is_taken_for_a_tensor():
     """`h + y.reshape(-1, OUT)` is a tensor where eager computes (a number has no reshape): it fuses without example
     inputs, where it was refused ("cannot prove that ... is a tensor"), and computes eager's result, or error, for y
