@@ -601,6 +601,20 @@ def _item_of_argument(node: fx.Node) -> tuple[fx.Node, int] | None:
     return argument, index
 
 
+def _items_only_read(argument: fx.Node) -> bool:
+    """Whether no op may change which value forward argument `argument`'s items are before one is read (the first
+    checks read them as the call passed them): every reader reads it only, an item (`x[0]`), its length or a torch
+    function's argument; not a method of it (`x.insert(0, y)`, `x.reverse()`, `x.unsqueeze_(0)`), item assignment,
+    `out=` or user code."""
+    for reader in argument.users:
+        if reader.op != "call_function" or "out" in reader.kwargs:
+            return False
+        if reader.target is not operator.getitem and reader.target is not len and \
+                not getattr(reader.target, "__module__", "").startswith("torch"):
+            return False
+    return True
+
+
 def _shifted(offset, more: int):
     """An argument's offset (_ranks_following_arguments') of a value that an op makes `more` dims larger."""
     if isinstance(offset, tuple):  # (SQUEEZED, dims, more[, steps]) or (ITEM, index, more)
@@ -663,7 +677,7 @@ def _ranks_following_arguments(gm: fx.GraphModule, canon: dict, mutations: list,
             shaped_as[node] = (node, ())
             continue
         item = _item_of_argument(node) if items else None
-        if item is not None:
+        if item is not None and _items_only_read(item[0]):
             argument, index = item
             following[node] = ({argument: (ITEM, index, 0)}, 0)
             continue

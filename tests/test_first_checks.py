@@ -363,6 +363,34 @@ def test_an_input_made_of_an_item_for_a_whole_view_is_checked_first():
         _eager_or_its_error(model, optimized, inputs)
 
 
+def _inserted_first(xs, value):
+    """`xs` after `xs.insert(0, value)`."""
+    xs.insert(0, value)
+    return xs
+
+
+def _reversed_in_place(xs):
+    """`xs` after `xs.reverse()`."""
+    xs.reverse()
+    return xs
+
+
+@pytest.mark.parametrize("forward, inputs", [
+    (lambda m, xs, y: m.fc(_inserted_first(xs, y)[0]).softmax(1), (_items((3, IN)), torch.randn(2, 3, IN))),
+    (lambda m, xs, y: m.fc(_reversed_in_place(xs)[0]).softmax(1), (_items((3, IN), (2, 3, IN)), None)),
+], ids=["insert", "reverse"])
+def test_an_item_of_an_argument_that_a_method_may_change_is_not_fused(forward, inputs):
+    """`xs.insert(0, y)` before `fc(xs[0])`: the check before any op read the item that was first at the call, and
+    require_rank raised fxfuse's rank error where eager computes for the item that is first after the method."""
+    model = GemmThen(forward).eval()
+    optimized = fxfuse.optimize(model)
+    assert fused_op_count(optimized) == 0, optimized.fxfuse_report
+    assert_reason(optimized, "no check before the model's first op can tell the rank of `getitem`")
+    with torch.no_grad():
+        assert_close_report(optimized(*(list(t) if isinstance(t, list) else t for t in inputs)),
+                            model(*(list(t) if isinstance(t, list) else t for t in inputs)))
+
+
 def test_an_input_made_of_two_items_of_one_argument_is_not_fused():
     """`xs[0] + xs[1]`: each item's rank is of its own, no fixed amount off xs's: no check before any op tells the
     sum's, and one after the ops raised fxfuse's error where eager computes for another rank: group_norm is not
