@@ -391,6 +391,16 @@ def test_an_item_of_an_argument_that_a_method_may_change_is_not_fused(forward, i
                             model(*(list(t) if isinstance(t, list) else t for t in inputs)))
 
 
+def test_an_item_of_an_argument_that_a_method_may_change_is_not_fused_with_example_inputs():
+    """With example inputs a list argument has no rank check but its item's, which read the item before `reverse()`."""
+    model = GemmThen(lambda m, xs, y: m.fc(_reversed_in_place(xs)[0]).softmax(1)).eval()
+    optimized = fxfuse.optimize(model, (_items((3, IN), (3, IN)),))
+    assert fused_op_count(optimized) == 0, optimized.fxfuse_report
+    items = _items((3, IN), (2, 3, IN))
+    with torch.no_grad():
+        assert_close_report(optimized(list(items)), model(list(items)))
+
+
 def test_an_input_made_of_two_items_of_one_argument_is_not_fused():
     """`xs[0] + xs[1]`: each item's rank is of its own, no fixed amount off xs's: no check before any op tells the
     sum's, and one after the ops raised fxfuse's error where eager computes for another rank: group_norm is not
