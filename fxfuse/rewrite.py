@@ -352,13 +352,15 @@ def _item_rank(value, index: int) -> int | None:
     """The rank of `value[index]`, an item of a forward argument, at this call: a tensor's rank but one, or the rank of
     a list's or tuple's item (None for an item that is no tensor, which has no dims to broadcast).
     NotOptimizedForThisCall where eager's indexing raises (a 0-d tensor, an index out of range), or for an argument
-    of another kind (a dict, an object whose indexing is its own code): the model's forward computes what eager does."""
+    of another kind (a dict, an object whose indexing is its own code, a list subclass's too): the model's forward
+    computes what eager does."""
     if isinstance(value, torch.Tensor):
         if value.dim() == 0 or not -value.shape[0] <= index < value.shape[0]:
             raise NotOptimizedForThisCall(f"fxfuse: eager's indexing raises for [{index}] of a tensor of shape "
                                           f"{tuple(value.shape)}")
         return value.dim() - 1
-    if not isinstance(value, (list, tuple)):
+    # (a subclass whose indexing is its own code would run it here and in the graph: eager runs it once)
+    if not isinstance(value, (list, tuple)) or type(value).__getitem__ not in (list.__getitem__, tuple.__getitem__):
         raise NotOptimizedForThisCall(f"fxfuse: this part of the model was optimized for an item of a tensor, list or "
                                       f"tuple; got a {type(value).__module__}.{type(value).__qualname__}")
     if not -len(value) <= index < len(value):

@@ -401,6 +401,29 @@ def test_an_item_of_an_argument_that_a_method_may_change_is_not_fused_with_examp
         assert_close_report(optimized(list(items)), model(list(items)))
 
 
+class CountedItems(list):
+    """A list whose indexing is code of its own: it counts its calls."""
+    reads = 0
+
+    def __getitem__(self, index):
+        CountedItems.reads += 1
+        return super().__getitem__(index)
+
+
+def test_a_list_whose_indexing_is_its_own_code_is_indexed_once():
+    """The check before any op read `xs[0]` of a list subclass with its own __getitem__, which the graph reads again:
+    its code ran twice where eager runs it once. Such a list runs the model's own forward, which indexes it once."""
+    model = ItemThenGroupNorm().eval()
+    optimized = fxfuse.optimize(model)
+    assert fused_op_count(optimized) == 1, optimized.fxfuse_report
+    items = [torch.randn(4, IN), torch.randn(4, IN)]
+    CountedItems.reads = 0
+    with torch.no_grad():
+        actual = optimized(CountedItems(items))
+        assert CountedItems.reads == 1
+        assert_close_report(actual, model(items))
+
+
 def test_an_input_made_of_two_items_of_one_argument_is_not_fused():
     """`xs[0] + xs[1]`: each item's rank is of its own, no fixed amount off xs's: no check before any op tells the
     sum's, and one after the ops raised fxfuse's error where eager computes for another rank: group_norm is not
