@@ -144,8 +144,8 @@ class Facts:
     # None where ranks are guarded, as Dynamo guards them.
     rank_checks_before_any_op: Callable[[Any, int], list] | None = None
     # optimize()'s graphs: the values whose rank an op may change in place (`v.unsqueeze_(0)`, `out=v`), which no
-    # check before any op tells (rewrite's _values_whose_rank_may_change_in_place)
-    rank_changed_in_place: frozenset = frozenset()
+    # check before any op tells, with the first such op (rewrite's _values_whose_rank_may_change_in_place)
+    rank_changed_in_place: dict = field(default_factory=dict)
     # optimize()'s graphs: rewrite's _ranks_following_arguments (with items): value -> ({argument: its offset}, the
     # fewest dims it has), whose first check (require_broadcast_rank) finds at least those dims
     following_ranks: dict = field(default_factory=dict)
@@ -1124,7 +1124,8 @@ def _unchecked_rank_problem(region: Region, facts: Facts) -> str | None:
     the model's forward there would run what ran before it, a hook, twice."""
     if region.x_rank is None or facts.rank_checks_before_any_op is None:
         return None
-    if region.x in facts.rank_changed_in_place:
+    changed_by = facts.rank_changed_in_place.get(region.x)
+    if changed_by is not None and facts.position.get(changed_by, -1) < max(facts.position[m] for m in region.members):
         return (f"the fused op holds for a {region.x_rank}-D input only, and an op may change the rank of "
                 f"{describe(region.x)} in place (`unsqueeze_`, `out=`, a hooked module): no check before the model's "
                 "first op can tell it at a call, and a later one would raise where eager computes for another rank")

@@ -747,16 +747,16 @@ _RANK_KEEPING_IN_PLACE = frozenset(("transpose_", "t_", "swapdims_", "swapaxes_"
                                     "masked_fill_", "requires_grad_"))
 
 
-def _values_whose_rank_may_change_in_place(gm: fx.GraphModule, canon: dict, mutations: list) -> frozenset:
+def _values_whose_rank_may_change_in_place(gm: fx.GraphModule, canon: dict, mutations: list) -> dict[fx.Node, fx.Node]:
     """The values whose rank an op may change in place (`v.unsqueeze_(0)`, `out=v`, which resizes v, a hooked
     module or a function of the user's given v), and the values that may be the same tensor as one of them (each
     value and the values it is made of, but through GEMMs, views, reshapes, unsqueezes and joins, which make tensors
-    of their own): the first checks tell such a value's rank as the graph makes it, not as that op leaves it.
-    `mutations`: Facts.mutations'."""
-    changed = [mutated for node, values in mutations if not _keeps_rank_in_place(node, canon)
-               for mutated in values if isinstance(mutated, fx.Node)]
-    if not changed:
-        return frozenset()
+    of their own), each with the first such op: the first checks tell such a value's rank as the graph makes it, not
+    as that op leaves it. `mutations`: Facts.mutations' (in graph order)."""
+    changing = [(node, [m for m in values if isinstance(m, fx.Node)]) for node, values in mutations
+                if not _keeps_rank_in_place(node, canon)]
+    if not any(values for _, values in changing):
+        return {}
     same_tensor = {}  # node -> the nodes it may be the same tensor as, either way
     for node in gm.graph.nodes:
         if _makes_a_tensor_of_its_own(node, canon):
@@ -764,13 +764,16 @@ def _values_whose_rank_may_change_in_place(gm: fx.GraphModule, canon: dict, muta
         for value in node.all_input_nodes:
             same_tensor.setdefault(node, set()).add(value)
             same_tensor.setdefault(value, set()).add(node)
-    found, stack = set(changed), list(changed)
-    while stack:
-        for value in same_tensor.get(stack.pop(), ()):
-            if value not in found:
-                found.add(value)
-                stack.append(value)
-    return frozenset(found)
+    first_change = {}
+    for op, values in changing:  # (in graph order: the first op that may change a value is kept)
+        stack = [value for value in values if value not in first_change]
+        first_change.update((value, op) for value in stack)
+        while stack:
+            for value in same_tensor.get(stack.pop(), ()):
+                if value not in first_change:
+                    first_change[value] = op
+                    stack.append(value)
+    return first_change
 
 
 def _keeps_rank_in_place(node: fx.Node, canon: dict) -> bool:

@@ -600,6 +600,28 @@ def test_a_value_whose_rank_an_op_may_change_in_place_is_not_fused(forward, shap
         assert_close_report(optimized(*(t.clone() for t in inputs)), model(*(t.clone() for t in inputs)))
 
 
+class HookedReaderAfter(nn.Module):
+    """`softmax(fc(x), 1)`, then a hooked module given x, whose hook runs after the region."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.side = nn.Linear(IN, OUT), nn.Linear(IN, OUT)
+        self.side.register_forward_hook(lambda module, inputs, output: None)
+
+    def forward(self, x):
+        return self.fc(x).softmax(1) + self.side(x)
+
+
+def test_an_op_that_may_change_the_rank_in_place_after_the_region_does_not_stop_it():
+    """A hooked module may change x's rank in place, but it runs after the region: the first check still tells x's
+    rank where the region reads it, and softmax(1) fuses."""
+    model = HookedReaderAfter().eval()
+    optimized = fxfuse.optimize(model)
+    assert fused_op_count(optimized) == 1, optimized.fxfuse_report
+    for shape in ((3, IN), (2, 3, IN)):
+        _eager_or_its_error(model, optimized, torch.randn(shape))
+
+
 @pytest.mark.parametrize("forward", [
     lambda m, x, y: F.group_norm(m.fc((x * m.fc.weight[0]).squeeze(0)), 5),
     lambda m, x, y: F.group_norm(m.fc((x + y).squeeze(0)), 5),
