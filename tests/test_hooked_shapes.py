@@ -248,6 +248,15 @@ def counting_hook(calls):
     return hook
 
 
+def assert_eager_result_and_one_hook_call(run, model, x, calls):
+    """run(x) computes what model(x) does, and the counting hook ran once for it."""
+    with torch.no_grad():
+        expected = model(x)
+        calls.clear()
+        assert_close_report(run(x), expected)
+    assert len(calls) == 1
+
+
 OVER_THE_FEATURES = ["softmax", "group_norm"]
 
 
@@ -262,11 +271,7 @@ def test_without_example_inputs_a_region_after_a_hooked_module_holds_for_any_ran
     assert fused_programs(optimized) == []
     assert_reason(optimized, "pass example inputs")
     for x in (rows(), torch.randn(BATCH, 4, IN)):
-        with torch.no_grad():
-            expected = model(x)
-            calls.clear()
-            assert_close_report(optimized(x), expected)
-        assert len(calls) == 1
+        assert_eager_result_and_one_hook_call(optimized, model, x, calls)
 
 
 @pytest.mark.parametrize("op", OVER_THE_FEATURES)
@@ -277,11 +282,7 @@ def test_with_example_inputs_a_region_after_a_hooked_module_fuses_and_another_ra
     model.pre.register_forward_hook(counting_hook(calls))
     optimized = assert_fuses(model, (rows(),), regions=1)
     x = torch.randn(BATCH, 4, IN)
-    with torch.no_grad():
-        expected = model(x)
-        calls.clear()
-        assert_close_report(optimized(x), expected)
-    assert len(calls) == 1
+    assert_eager_result_and_one_hook_call(optimized, model, x, calls)
 
 
 @pytest.mark.parametrize("op", OVER_THE_FEATURES)
@@ -292,11 +293,7 @@ def test_the_backend_computes_a_region_after_a_hooked_module_at_each_rank(op):
     model.pre.register_forward_hook(counting_hook(calls))
     compiled = torch.compile(model, backend="fxfuse", options={"inner": "eager"})
     for x in (rows(), torch.randn(BATCH, 4, IN)):
-        with torch.no_grad():
-            expected = model(x)
-            calls.clear()
-            assert_close_report(compiled(x), expected)
-        assert len(calls) == 1
+        assert_eager_result_and_one_hook_call(compiled, model, x, calls)
 
 
 class OpOverTheFeaturesOfAViewAfterAHookedModule(nn.Module):
@@ -331,11 +328,7 @@ def test_without_example_inputs_a_region_after_a_reshape_of_a_hooked_modules_out
     optimized = fxfuse.optimize(model)
     assert len(fused_programs(optimized)) == 1, optimized.fxfuse_report
     for x in (rows(), torch.randn(BATCH, 4, IN)):
-        with torch.no_grad():
-            expected = model(x)
-            calls.clear()
-            assert_close_report(optimized(x), expected)
-        assert len(calls) == 1
+        assert_eager_result_and_one_hook_call(optimized, model, x, calls)
 
 
 class OpOverTheFeaturesOfACatAfterAHookedModule(nn.Module):
@@ -358,8 +351,4 @@ def test_without_example_inputs_a_region_after_a_cat_of_a_hooked_modules_output_
     assert "softmax" not in " ".join(fused_programs(optimized)), optimized.fxfuse_report
     assert_reason(optimized, "pass example inputs")
     for x in (rows(), torch.randn(BATCH, 4, IN)):
-        with torch.no_grad():
-            expected = model(x)
-            calls.clear()
-            assert_close_report(optimized(x), expected)
-        assert len(calls) == 1
+        assert_eager_result_and_one_hook_call(optimized, model, x, calls)
