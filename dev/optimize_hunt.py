@@ -1,7 +1,8 @@
 """Randomized differential tester for ``fxfuse.optimize()`` on the CPU: random small models, optimized vs eager.
 
-Each seed builds one model as Python source: a GEMM (nn.Linear, F.linear with parameters, torch.addmm,
-``x @ w.t()``, with or without bias) on an input of 1-4 dims, then a random chain of 1-6 epilogue ops from
+Each seed builds one model as Python source: sometimes an op on x first (one of a rank of its own: a view or
+reshape to a given shape; torch.cat, concat or stack; an item of x), a GEMM (nn.Linear, F.linear with parameters,
+torch.addmm, ``x @ w.t()``, with or without bias) on an input of 1-4 dims, then a random chain of 1-6 epilogue ops from
 fxfuse's vocabulary (activations, arithmetic with numbers, parameters and forward arguments, norms, row reductions
 and softmax), each in a random spelling (module, F.*, torch.*, method, in-place, operator, keywords or positional
 arguments). Now and then an average pool over the features (avg_pool1d in fxfuse's spellings) comes right after the
@@ -199,9 +200,11 @@ class Drawer:
     """Draws a model's steps, tracking what the chain's value is: features (last dim N), a keepdim-reduced row
     (last dim 1) or a reduced one (one dim fewer)."""
 
-    def __init__(self, rng: random.Random, spec: ModelSpec, pool_rng: random.Random):
+    def __init__(self, rng: random.Random, spec: ModelSpec, pool_rng: random.Random,
+                 shape_rng: random.Random | None = None):
         self.rng = rng
         self.pool_rng = pool_rng  # draws the pools over the features apart, so a model without one is as it was
+        self.shape_rng = shape_rng or random.Random(0)  # draws the rank-fixing prologues apart, alike
         self.spec = spec
         self.features = spec.out_features  # the chain's width: the GEMM's, or a pool's output's
         self.state = "features"
@@ -254,6 +257,7 @@ class Drawer:
     def prologue(self) -> None:
         """Sometimes an op on x before the GEMM (one that keeps its rank, changes it, or changes x in place)."""
         if self.rng.random() > 0.3:
+            self.rank_fixing_prologue()
             return
         k = self.spec.in_features
         line = self.pick("x = x * 0.5", "x = x.relu()", "x = F.gelu(x) + 1", "x = x.unsqueeze(0)", "x = x.squeeze(0)",
@@ -261,6 +265,20 @@ class Drawer:
                          "x = x.view(-1, x.size(-1))",
                          "x = x.contiguous()", "x = x.mean(0)", "x = x.sum(0, keepdim=True)", "x = x[0]",
                          "x.mul_(2)", "x = x.transpose(0, 1)", "x = x.unsqueeze(1).squeeze(0)", "x = x[None]")
+        self.spec.forward_lines.append(line)
+        self.spec.steps.append(f"prologue({line})")
+
+    def rank_fixing_prologue(self) -> None:
+        """Sometimes (where prologue() drew none) an op on x whose rank is its own or follows x's through a join:
+        a view or reshape to a given shape, torch.cat / concat / stack, an item of x; drawn with shape_rng."""
+        if self.shape_rng.random() > 0.15:
+            return
+        k = self.spec.in_features
+        line = self.shape_rng.choice([
+            f"x = x.view(x.size(0), -1, {k})", "x = x.reshape(x.shape[0], -1)", f"x = torch.reshape(x, (-1, {k}))",
+            f"x = x.view(size=(-1, {k}))", f"x = x.reshape(1, -1, {k})",
+            "x = torch.cat([x, x * 2], 0)", "x = torch.cat((x, x), dim=-2)", "x = torch.concat([x, x.relu()])",
+            "x = torch.stack([x, x], 0)", "x = torch.stack((x, x * 0.5), dim=1)", "x = x[-1]", "x = x[0] * 2"])
         self.spec.forward_lines.append(line)
         self.spec.steps.append(f"prologue({line})")
 
@@ -581,7 +599,7 @@ def draw_model(seed: int) -> ModelSpec:
     spec.strided_input = rng.random() < 0.15
     spec.wrapped = rng.random() < 0.15
     spec.keywords = rng.random() < 0.15
-    drawer = Drawer(rng, spec, random.Random(seed + 3_000_017))
+    drawer = Drawer(rng, spec, random.Random(seed + 3_000_017), random.Random(seed + 5_000_011))
     drawer.prologue()
     drawer.gemm()
     drawer.chain()
