@@ -712,8 +712,17 @@ def _changes_a_buffer_after_a_graph_break(source: str) -> bool:
     another graph's, which a region of the graph before cannot see, as a caller's change between the forward and
     the backward (docs/BACKEND.md, "What the fused op keeps for its backward")."""
     lines = source.splitlines()
-    breaks = [i for i, line in enumerate(lines) if "graph_break()" in line or "print(end='')" in line]
+    breaks = _graph_break_lines(lines)
     return bool(breaks) and any(re.search(r"self\.b\d+\.(mul_|add_|fill_)\(", line) for line in lines[breaks[0]:])
+
+
+def _graph_break_lines(lines: list[str]) -> list[int]:
+    """The indices of the source lines where Dynamo breaks the graph: an explicit break, or a call of a BatchNorm of
+    momentum=None (in training it reads `float(self.num_batches_tracked)`, which Dynamo does not trace)."""
+    no_momentum = {match.group(1) for line in lines
+                   if (match := re.search(r"self\.(\w+) = nn\.BatchNorm\w*\(.*momentum=None", line))}
+    return [i for i, line in enumerate(lines) if "graph_break()" in line or "print(end='')" in line
+            or any(f"self.{name}(" in line for name in no_momentum)]
 
 
 def compare(case: Case, actual: list, expected: list, call: int, arguments, with_grad: bool,
