@@ -13,6 +13,8 @@ Entry points:
   take, and they log that reason at debug level.
 - ``gemm_epilogue_vjp`` and ``epilogue_vjp``: the two backward ops' gradients as differentiable ops, for
   ``backward(create_graph=True)``.
+- ``torch.ops.fxfuse.mean_of_row_groups``: a tensor's rows averaged in groups, for a feature pool that folded into
+  the GEMM (its weight and bias, before gemm_epilogue); ``mean_of_row_groups_fallback`` is its reference, as above.
 
 Autograd: the formulas below (``_backward``, ``_train_backward``), and for CUDA tensors, once ``fxfuse.kernels``
 has loaded, the same formulas in C++ (``kernels/autograd.cpp``, ``TORCH_LIBRARY_IMPL(fxfuse, AutogradCUDA, ...)``),
@@ -22,6 +24,7 @@ which cost a call that records gradients about half the host time.
     gemm_epilogue_train(Tensor x, Tensor weight, Tensor? bias, Tensor[] params, str program) -> (Tensor, Tensor)
     epilogue_backward(Tensor grad_output, Tensor gemm_out, Tensor[] params, str program, bool[] needs_grad)
         -> Tensor[]
+    mean_of_row_groups(Tensor tensor, int size) -> Tensor
 
 Under torch.autocast the two fused ops have autocast kernels (``_autocast_kernel``; the fallback and backward ops
 have none: autocast is off in a backward, and the fallbacks are called below it).
@@ -388,8 +391,47 @@ _library.impl("epilogue_vjp", epilogue_vjp, "CompositeImplicitAutograd")
 _define("epilogue_backward_fallback", f"({EPILOGUE_BACKWARD_ARGS}, str reason) -> Tensor[]",
         _logged(run_epilogue_backward, "epilogue_backward"), _ignoring_reason(fake_epilogue_backward))
 
+
+# ---------------------------------------------------------------- a feature pool's weight averaging
+
+def mean_of_row_groups_reference(tensor, size):
+    """mean_of_row_groups's reference (the CPU implementation, the fake one and the CUDA kernel's oracle): `tensor`
+    with each `size` consecutive rows (dim 0) averaged, a partial group at the end dropped, as avg_pool1d of kernel
+    and stride `size` drops a partial window; 16-bit values accumulate in fp32 (ATen's mean). Fewer rows than `size`
+    raise eager's pool error: there is no window."""
+    if tensor.shape[0] < size:
+        torch.avg_pool1d(tensor.new_empty(1, 1, tensor.shape[0]), size)
+    groups = tensor.shape[0] // size
+    return tensor[:groups * size].unflatten(0, (groups, size)).mean(1)
+
+
+def _setup_row_groups_context(ctx, inputs, output):
+    tensor, size = inputs[:2]
+    ctx.size, ctx.rows = size, tensor.shape[0]
+
+
+def _row_groups_backward(ctx, grad_output, *unused):
+    """mean_of_row_groups's gradient: each group's gradient over its `size` rows, divided by `size` (ATen's mean
+    backward), and zeros for the rows of a dropped partial group."""
+    groups = grad_output.shape[0]
+    spread = (grad_output / ctx.size).unsqueeze(1).expand(groups, ctx.size, *grad_output.shape[1:]).flatten(0, 1)
+    dropped = ctx.rows - groups * ctx.size
+    if dropped:
+        spread = torch.cat([spread, spread.new_zeros(dropped, *spread.shape[1:])])
+    return (spread,) + (None,) * (len(ctx.needs_input_grad) - 1)
+
+
+# A feature pool folded into the GEMM (match's FEATURE_POOL): its weight's rows, and its bias's values, averaged.
+_define("mean_of_row_groups", "(Tensor tensor, int size) -> Tensor",
+        _loading_cuda_kernels("mean_of_row_groups", mean_of_row_groups_reference), fake=mean_of_row_groups_reference,
+        backward=_row_groups_backward, setup_context=_setup_row_groups_context)
+_define("mean_of_row_groups_fallback", "(Tensor tensor, int size, str reason) -> Tensor",
+        _logged(mean_of_row_groups_reference, "mean_of_row_groups"), _ignoring_reason(mean_of_row_groups_reference),
+        backward=_row_groups_backward, setup_context=_setup_row_groups_context)
+
 gemm_epilogue = torch.ops.fxfuse.gemm_epilogue.default
 gemm_epilogue_train = torch.ops.fxfuse.gemm_epilogue_train.default
 gemm_epilogue_backward = torch.ops.fxfuse.gemm_epilogue_backward.default
 epilogue_backward = torch.ops.fxfuse.epilogue_backward.default
+mean_of_row_groups = torch.ops.fxfuse.mean_of_row_groups.default
 FUSED_OPS = (gemm_epilogue, gemm_epilogue_train)

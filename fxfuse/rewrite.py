@@ -23,7 +23,7 @@ from .canonicalize import (FEATURE_POOL, IDENTITY, LINEAR, SQUEEZED, Attr, augme
                            has_call_hooks, hooks_of, joined_tensors, rank_change, restore_readers_outside_regions,
                            shape_after, shape_step)
 from .epilogue import EPILOGUE_OPS, NORM, POINTWISE, REDUCTION
-from .library import gemm_epilogue, gemm_epilogue_train
+from .library import gemm_epilogue, gemm_epilogue_train, mean_of_row_groups
 from .match import _OPERATOR_IN_PLACE, Facts, Region, find_region, module_tensor, module_tensor_path
 from .program import Param, drop_unread_params, hoist_param_steps
 from .report import FusedRow, MissRow, Report
@@ -375,11 +375,11 @@ def require_features(x, weight: torch.Tensor, features: int, dim: int, what: str
     feature count (`h * h.size(-1) ** -0.5`) or a norm whose normalized_shape is the features (which the program
     normalizes over the last dim, of any size): the weight, dim `dim` of which is the features, still has that many.
     `pool`: the kernel of a feature pool folded into the GEMM, whose output has the weight's rows // pool features
-    (fewer rows than the kernel are left to mean_of_row_groups, which raises eager's pool error).
+    (fewer rows than the kernel are left to the op mean_of_row_groups, which raises eager's pool error).
     (Dynamo guards the weight's shape itself.) `x`: as require_eval_mode's."""
     rows = weight.shape[dim]
     if pool > 1 and rows < pool:
-        return  # (no window: mean_of_row_groups raises eager's pool error)
+        return  # (no window: the op mean_of_row_groups raises eager's pool error)
     if rows // pool != features:
         pooled = f" (its rows averaged by {pool})" if pool > 1 else ""
         raise RuntimeError(f"fxfuse: the weight {what} had {features} features{pooled} when it was fused, and its "
@@ -479,17 +479,6 @@ def require_pool_channels(x: torch.Tensor, weight: torch.Tensor, kernel: int) ->
     shape. (Dynamo guards sizes of 0 itself.)"""
     if x.dim() >= 2 and x.shape[-2] == 0:
         torch.avg_pool1d(x.new_empty((*x.shape[:-1], weight.shape[0])), kernel)
-
-
-def mean_of_row_groups(tensor: torch.Tensor, size: int) -> torch.Tensor:
-    """Called by rewritten graphs for a GEMM whose output is average-pooled over its features (match's feature pool):
-    the GEMM's (N, K) weight, or its (N,) bias, with each `size` consecutive rows averaged (a partial group at the end
-    dropped, as avg_pool1d drops a partial window). The mean accumulates in fp32 for 16-bit tensors. Fewer rows than
-    `size` (a weight replaced after optimize()) raise eager's pool error: it has no window."""
-    if tensor.shape[0] < size:
-        torch.avg_pool1d(tensor.new_empty(1, 1, tensor.shape[0]), size)
-    groups = tensor.shape[0] // size
-    return tensor[:groups * size].unflatten(0, (groups, size)).mean(1)
 
 
 def mean_of_feature_groups(tensor: torch.Tensor, size: int, weight: torch.Tensor) -> torch.Tensor:

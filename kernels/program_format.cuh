@@ -251,6 +251,17 @@ struct RowLaunch {
   bool early;            // the fast kernel as a programmatic dependent of the GEMM (launch_kernel, interpreter.cuh)
 };
 
+// A feature pool's weight averaging (row_group_mean.cu): out[g] = the mean of in's rows [g * size, (g + 1) * size),
+// rows of `columns` contiguous elements; `vectors`: both pointers 16-byte aligned and rows of whole 16-byte vectors.
+struct RowGroupMean {
+  const void* in;
+  void* out;
+  int64_t groups;
+  int64_t columns;
+  int64_t size;
+  bool vectors;
+};
+
 // The kernels' storage types (interpreter.cuh): every tensor of one call has the same dtype.
 struct Fp32Storage;
 struct Bf16Storage;
@@ -320,6 +331,8 @@ template <class Storage, int VALUES>
 bool launch_fast_row_program(const RowProgram& prog, const RowLaunch& launch, cudaStream_t stream);
 template <class Storage>
 void launch_broadcast_tail(const TailProgram& prog, bool early, cudaStream_t stream);
+template <class Storage>
+void launch_row_group_mean(const RowGroupMean& job, cudaStream_t stream);
 // The backward row kernel (backward_interpreter.cuh): its persistent grid's block count for `threads` threads,
 // then the launch, whose GRAD_SUMMED outputs have blocks * rows_per_block partial rows.
 template <class Storage>

@@ -16,7 +16,8 @@ import torch.nn as nn
 import fxfuse
 from fxfuse.backend import FxfuseBackend, fxfuse_backend
 from fxfuse.modelfile import example_files, load_model_file
-from fxfuse.rewrite import mean_of_feature_groups, mean_of_row_groups
+from fxfuse.library import mean_of_row_groups
+from fxfuse.rewrite import mean_of_feature_groups
 from fxfuse.testing import assert_close_report, assert_gradients_match
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")

@@ -97,9 +97,10 @@ def test_exported_optimized_model(name, precision, device="cuda"):
     batch = torch.export.Dim("batch", min=2, max=4096)
     program = torch.export.export(optimized, tuple(inputs), dynamic_shapes=tuple({0: batch} for _ in inputs))
     assert exported_ops_reading_inputs(program) == [torch.ops.fxfuse.gemm_epilogue.default]
+    pooled = optimized.fxfuse_report.fused[0].pool is not None
+    averaged = [torch.ops.fxfuse.mean_of_row_groups.default] * 2 if pooled else []  # (a pool's weight and bias)
     assert [n.target for n in program.graph.nodes if n.op == "call_function" and
-            getattr(n.target, "namespace", None) == "fxfuse"] == \
-        [torch.ops.fxfuse.gemm_epilogue.default]
+            getattr(n.target, "namespace", None) == "fxfuse"] == [*averaged, torch.ops.fxfuse.gemm_epilogue.default]
     judge = Judge(model, DTYPES[precision])
     with torch.no_grad():
         for size in (inputs[0].shape[0], 100):

@@ -379,3 +379,34 @@ def test_a_tensor_added_before_the_pool_replaced_by_one_of_another_shape_compute
                 optimized(x)
         else:
             assert_close_report(optimized(x), expected)
+
+
+# The averaging op itself (torch.ops.fxfuse.mean_of_row_groups): shapes of the weight, of a bias, of more dims, a
+# partial last group, a group of one and a tensor of exactly one group.
+ROW_GROUP_SHAPES = [((12, 8), 4), ((41, 7), 4), ((41,), 3), ((10, 3, 5), 2), ((6, 4), 1), ((4, 9), 4)]
+
+
+@pytest.mark.parametrize("shape, size", ROW_GROUP_SHAPES, ids=str)
+@pytest.mark.parametrize("op", ["mean_of_row_groups", "mean_of_row_groups_fallback"])
+def test_the_averaging_op_passes_opcheck(shape, size, op):
+    tensor = torch.randn(shape, requires_grad=True)
+    extra = ("a test of the fallback",) if op.endswith("fallback") else ()
+    torch.library.opcheck(getattr(torch.ops.fxfuse, op).default, (tensor, size, *extra))
+
+
+@pytest.mark.parametrize("shape, size", ROW_GROUP_SHAPES, ids=str)
+def test_the_averaging_op_is_avg_pool1d_over_the_rows_with_its_gradients(shape, size):
+    tensor = torch.randn(shape, dtype=torch.float64, requires_grad=True)
+    out = torch.ops.fxfuse.mean_of_row_groups(tensor, size)
+    over_rows = tensor.reshape(shape[0], -1).t().unsqueeze(0)  # (1, columns, rows): avg_pool1d pools the rows
+    expected = F.avg_pool1d(over_rows, size).squeeze(0).t().reshape(shape[0] // size, *shape[1:])
+    assert_close_report(out, expected)
+    torch.autograd.gradcheck(lambda t: torch.ops.fxfuse.mean_of_row_groups(t, size), (tensor,))
+    torch.autograd.gradgradcheck(lambda t: torch.ops.fxfuse.mean_of_row_groups(t, size), (tensor,))
+
+
+def test_the_rewritten_graph_averages_the_weight_with_the_op():
+    optimized = fxfuse.optimize(pooled(pool_then_max))
+    calls = [n for n in optimized.graph.nodes if n.target is torch.ops.fxfuse.mean_of_row_groups.default]
+    # (the bias's goes through mean_of_feature_groups, which calls the op at run time)
+    assert [n.args[0].target for n in calls] == ["fc.weight"], optimized.code
