@@ -73,6 +73,9 @@ def test_a_misaligned_tensor_runs_the_kernel_by_elements(dtype, caplog):
     ("float64", lambda: torch.randn(16, 8, device="cuda", dtype=torch.float64), 4, "dtype Double"),
     ("transposed", lambda: torch.randn(8, 16, device="cuda").t(), 4, "not contiguous"),
     ("no whole group", lambda: torch.randn(3, 8, device="cuda"), 4, "no whole group"),
+    # (a pool over all the features: each of the kernel's few threads would sum 8192 rows in turn)
+    ("one group of many rows", lambda: torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16), 8192,
+     "too few columns"),
 ])
 def test_other_inputs_run_the_reference_and_log_why(case, make, size, reason, caplog):
     tensor = make()
