@@ -7,7 +7,8 @@
 //
 // Limits (anything else runs the reference through fxfuse::mean_of_row_groups_fallback, with the reason logged):
 // a contiguous fp32, bf16 or fp16 tensor of at least one dim and at least `size` rows (fewer: the reference raises
-// eager's pool error), size >= 1.
+// eager's pool error), size >= 1; groups of more than 128 rows only where the output fills the GPU
+// (launch_row_group_mean, row_group_mean.cu).
 //
 // Host code only, compiled by the C++ compiler (gemm_epilogue.cpp says why).
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -59,17 +60,19 @@ at::Tensor mean_of_row_groups_cuda(const at::Tensor& tensor, int64_t size) {
   const RowGroupMean job{tensor.data_ptr(), out.data_ptr(), groups, columns, size,
                          aligned && columns * tensor.element_size() % 16 == 0};
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  bool launched = false;
   switch (tensor.scalar_type()) {
     case at::kFloat:
-      launch_row_group_mean<Fp32Storage>(job, stream);
+      launched = launch_row_group_mean<Fp32Storage>(job, stream);
       break;
     case at::kBFloat16:
-      launch_row_group_mean<Bf16Storage>(job, stream);
+      launched = launch_row_group_mean<Bf16Storage>(job, stream);
       break;
     default:
-      launch_row_group_mean<Fp16Storage>(job, stream);
+      launched = launch_row_group_mean<Fp16Storage>(job, stream);
       break;
   }
+  if (!launched) return run_fallback(tensor, size, "groups of many rows over too few columns to fill the GPU");
   return out;
 }
 

@@ -331,8 +331,9 @@ template <class Storage, int VALUES>
 bool launch_fast_row_program(const RowProgram& prog, const RowLaunch& launch, cudaStream_t stream);
 template <class Storage>
 void launch_broadcast_tail(const TailProgram& prog, bool early, cudaStream_t stream);
+// False, launching nothing, where its grid would leave the GPU part idle while each thread sums many rows.
 template <class Storage>
-void launch_row_group_mean(const RowGroupMean& job, cudaStream_t stream);
+bool launch_row_group_mean(const RowGroupMean& job, cudaStream_t stream);
 // The backward row kernel (backward_interpreter.cuh): its persistent grid's block count for `threads` threads,
 // then the launch, whose GRAD_SUMMED outputs have blocks * rows_per_block partial rows.
 template <class Storage>
