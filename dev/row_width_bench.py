@@ -6,8 +6,8 @@ The fast row kernels hold 32 values a thread in 16-bit storage for rows of more 
 rows are 2048 wide after the fold, and its bf16 row kernel read 24 µs against fp32's 8 in a kernel trace (which
 counts the early launch's wait). This prints, per width and program, the whole op's time over F.linear's and the
 time it adds (the median of interleaved calls, as fxfuse.bench times them), for bf16 at 1024 rows, K = 8192.
-hardtanh and mish are chains of FXFUSE_ROW_CHAINS (compiled whole); the others are interpreted, norm_silu by the
-build without libdevice ops, pool_gelu_max and norm_gelu by the one with them.
+hardtanh and mish are chains of FXFUSE_ROW_CHAINS, pool_gelu_max and norm_gelu of FXFUSE_LIBM_ROW_CHAINS (compiled
+whole); norm_silu is interpreted, by the build without libdevice ops.
 """
 import sys
 from pathlib import Path

@@ -152,7 +152,8 @@ def supported_ops() -> list[str]:
 
 
 def row_chains() -> list[list[str]]:
-    """The op sequences whose row programs the loaded kernels compile whole (FXFUSE_ROW_CHAINS)."""
+    """The op sequences whose row programs the loaded kernels compile whole (FXFUSE_ROW_CHAINS, then
+    FXFUSE_LIBM_ROW_CHAINS)."""
     return [chain.split(",") for chain in torch.ops.fxfuse.cuda_row_chains().split(";")]
 
 

@@ -19,8 +19,9 @@
 // libdevice (CallsLibm), whose code slowed every other program by 4-12% (variant 42); the build with them is made
 // at 16 values a thread only. On whole rows, the programs of FXFUSE_ROW_CHAINS (program_format.cuh) run
 // chain_row_kernel instead: the same row loop with each instruction's op fixed at compile time (fast_op), no
-// dispatch (11-25% less time than interpreted, variant 57); a chain's last whole-row min (amin or min_dim) folds by
-// atomics in shared memory, without barriers (fold_row_min).
+// dispatch (11-25% less time than interpreted, variant 57); so do those of FXFUSE_LIBM_ROW_CHAINS (the common gelu
+// programs), at 16 values only; a chain's last whole-row min (amin or min_dim) folds by atomics in shared memory,
+// without barriers (fold_row_min).
 //
 // Limits (fits_fast_row_kernel says whether a program qualifies; the launcher in gemm_epilogue.cpp falls back to
 // row_program_kernel otherwise): rows of whole 16-byte vectors, no slots, no batch_norm, groups that the lanes
@@ -525,16 +526,32 @@ RowKernel row_min_build() {
     return nullptr;
 }
 
-// The chain kernel of this program's opcode sequence (MIN_BY_ATOMICS: its row_min_build), or nullptr.
-template <class S, int VALUES, bool MIN_BY_ATOMICS>
-RowKernel chain_kernel(const RowProgram& prog) {
+// A chain's entry in a lookup table: its kernel at VALUES (MIN_BY_ATOMICS: its row_min_build).
 #define FXFUSE_CHAIN_ENTRY(...)                                                                                  \
   chain_entry<RowKernel, __VA_ARGS__>(MIN_BY_ATOMICS ? row_min_build<S, VALUES, __VA_ARGS__>()                   \
                                                      : chain_row_kernel<S, VALUES, false, __VA_ARGS__>),
-  static const ChainEntry<RowKernel> chains[] = {FXFUSE_ROW_CHAINS(FXFUSE_CHAIN_ENTRY)};
-#undef FXFUSE_CHAIN_ENTRY
+
+// The kernel of the chain with libdevice ops (FXFUSE_LIBM_ROW_CHAINS) of this program's opcode sequence, at 16
+// values a thread, or nullptr. A storage type's file may leave its two instances to the translation unit of its
+// libm build on whole rows (`extern template`), as it does libm_row_kernel's.
+template <class S, bool MIN_BY_ATOMICS>
+RowKernel libm_chain_kernel(const RowProgram& prog) {
+  constexpr int VALUES = kRowValues;
+  static const ChainEntry<RowKernel> chains[] = {FXFUSE_LIBM_ROW_CHAINS(FXFUSE_CHAIN_ENTRY)};
   return find_chain(chains, prog.code, prog.num_instructions);
 }
+
+// The chain kernel of this program's opcode sequence (MIN_BY_ATOMICS: its row_min_build), or nullptr: one of
+// FXFUSE_ROW_CHAINS, or at 16 values a thread one of FXFUSE_LIBM_ROW_CHAINS.
+template <class S, int VALUES, bool MIN_BY_ATOMICS>
+RowKernel chain_kernel(const RowProgram& prog) {
+  static const ChainEntry<RowKernel> chains[] = {FXFUSE_ROW_CHAINS(FXFUSE_CHAIN_ENTRY)};
+  const RowKernel kernel = find_chain(chains, prog.code, prog.num_instructions);
+  if constexpr (VALUES == kRowValues)
+    if (kernel == nullptr) return libm_chain_kernel<S, MIN_BY_ATOMICS>(prog);
+  return kernel;
+}
+#undef FXFUSE_CHAIN_ENTRY
 
 // The interpreted build for programs with libdevice ops, at 16 values a thread only (fast_row_values). A storage
 // type's file may leave its two instances to translation units of their own (`extern template`), which ninja builds

@@ -89,7 +89,9 @@ std::string chain_names(std::initializer_list<std::initializer_list<Opcode>> cha
 }
 
 #define FXFUSE_CHAIN_LIST(...) {__VA_ARGS__},
-std::string row_chains() { return chain_names({FXFUSE_ROW_CHAINS(FXFUSE_CHAIN_LIST)}); }
+std::string row_chains() {
+  return chain_names({FXFUSE_ROW_CHAINS(FXFUSE_CHAIN_LIST) FXFUSE_LIBM_ROW_CHAINS(FXFUSE_CHAIN_LIST)});
+}
 std::string tail_chains() { return chain_names({FXFUSE_TAIL_CHAINS(FXFUSE_CHAIN_LIST)}); }
 #undef FXFUSE_CHAIN_LIST
 

@@ -87,6 +87,14 @@ struct Instruction {
   X(OP_group_norm, OP_amin)                      \
   X(OP_add, OP_clamp, OP_mish, OP_group_norm)
 
+// The chains with libdevice ops (CallsLibm), whose programs are laid out at 16 values a thread only
+// (fast_row_values): compiled at 16 values, beside the interpreted build with those ops (libm_chain_kernel in
+// fast_row.cuh). The pool example's program (gelu, its scale, the row max), then group_norm and gelu; either
+// approximation of gelu, an attribute.
+#define FXFUSE_LIBM_ROW_CHAINS(X) \
+  X(OP_gelu, OP_mul, OP_max_dim)  \
+  X(OP_group_norm, OP_gelu)
+
 // The tail programs compiled whole (broadcast_tail_kernel's CHAIN): one binary op of the row phase's result and a
 // param (the min + bias example's `+ bias`); the launcher checks that the second operand is a param.
 #define FXFUSE_TAIL_CHAINS(X) X(OP_add) X(OP_sub) X(OP_mul) X(OP_div)

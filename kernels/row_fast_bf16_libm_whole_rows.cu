@@ -1,9 +1,12 @@
-// The fast row kernel for bf16 programs with libdevice ops, on whole rows (as many features as the threads hold);
-// row_fast_bf16_16_values.cu launches it. One translation unit per kernel: ninja builds them in parallel.
+// The fast row kernel for bf16 programs with libdevice ops, on whole rows (as many features as the threads hold),
+// and the chains with them (FXFUSE_LIBM_ROW_CHAINS); row_fast_bf16_16_values.cu launches them. One translation unit
+// per kernel: ninja builds them in parallel.
 #include "fast_row.cuh"
 
 namespace fxfuse {
 
 template RowKernel libm_row_kernel<Bf16Storage, true>();
+template RowKernel libm_chain_kernel<Bf16Storage, false>(const RowProgram&);
+template RowKernel libm_chain_kernel<Bf16Storage, true>(const RowProgram&);
 
 }  // namespace fxfuse

@@ -308,7 +308,8 @@ def test_rows_that_are_not_whole_vectors(n, precision):
 ROW_KERNEL_CHOICES = [  # (program, n, param kinds, the row kernel that must run)
     # the fast kernel: "fast", then "whole" (rows of TPR * its values a thread) or "part", then "all" (every unary
     # and binary op compiled in) or "light" (none that calls libdevice)
-    # "chain": a program of FXFUSE_ROW_CHAINS on whole rows, compiled whole ("min by atomics": its last row min)
+    # "chain": a program of FXFUSE_ROW_CHAINS or FXFUSE_LIBM_ROW_CHAINS on whole rows, compiled whole ("min by
+    # atomics": its last row min)
     ("add(%0,$0);hardtanh(%1,-1.0,1.0);mish(%2);group_norm(%3,$1,$2,16,1e-05)", 1024, ["feature", "affine"], "chain"),
     # a warp's row at 16 values a thread in every dtype (16-bit rows take 32 past 4096 features)
     ("add(%0,$0);hardtanh(%1,-1.0,1.0);mish(%2);group_norm(%3,$1,$2,16,1e-05)", 512, ["feature", "affine"], "chain"),
@@ -321,8 +322,13 @@ ROW_KERNEL_CHOICES = [  # (program, n, param kinds, the row kernel that must run
     ("layer_norm(%0,$0,$1,1e-05);relu(%1)", 4096, ["affine"], "fast whole light"),  # whole rows across warps
     ("hypot(%0,$0);layer_norm(%1,$1,$2,1e-05)", 1000, ["feature", "affine"], "fast part all"),  # a libm binary op
     # libdevice ops on long rows: 16 values a thread in 16-bit too (the launcher checks the layout's values)
-    ("gelu(%0,'none');mul(%1,2.0);max_dim(%2,1,False)", 8192, [], "fast whole all"),
+    ("tanh(%0);mul(%1,2.0);max_dim(%2,1,False)", 8192, [], "fast whole all"),
     ("gelu(%0,'none');layer_norm(%1,$0,$1,1e-05)", 8200, ["affine"], "fast part all"),
+    # chains with libdevice ops (FXFUSE_LIBM_ROW_CHAINS): at 16 values a thread, on long 16-bit rows too
+    ("gelu(%0,'none');mul(%1,2.0);max_dim(%2,1,False)", 8192, [], "chain"),  # the pool example's
+    ("gelu(%0,'tanh');mul(%1,2.0);max_dim(%2,1,False)", 1024, [], "chain"),
+    ("group_norm(%0,$0,$1,16,1e-05);gelu(%1,'none')", 8192, ["affine"], "chain"),
+    ("group_norm(%0,$0,$1,1,1e-05);gelu(%1,'none')", 1000, ["affine"], "fast part all"),  # a chain, part rows
     ("fmax(%0,$0);layer_norm(%1,$1,$2,1e-05)", 1000, ["feature", "affine"], "fast part light"),
     ("sigmoid(%0);mul(%0,%1)", 1000, [], "lean"),                           # a slot keeps x
     ("add(%0,$0);layer_norm(%1,None,None,1e-05)", 1024, ["full"], "lean"),  # a param per element
@@ -439,8 +445,8 @@ def chain_program(names, variant):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"], indirect=True)
 def test_every_chain_runs_its_own_kernel(precision):
-    """Each chain of FXFUSE_ROW_CHAINS, with every sample of its ops' attributes and operand forms, on whole rows
-    of three lengths: its compiled kernel runs, and its result is the reference's."""
+    """Each chain of FXFUSE_ROW_CHAINS and FXFUSE_LIBM_ROW_CHAINS, with every sample of its ops' attributes and
+    operand forms, on whole rows of three lengths: its compiled kernel runs, and its result is the reference's."""
     dtype = DTYPES[precision]
     for chain in kernels.row_chains():
         variants = max([len(EPILOGUE_OPS[name].samples) for name in chain] + [4])
