@@ -1300,6 +1300,35 @@ def surely_not_tensor(obj) -> bool:
     return False
 
 
+# Tensor methods that give an int of their tensor alone, and int arithmetic that keeps ints ints (not `/`, nor `**`,
+# whose negative exponent makes a float); augmented assignments by their operator's name
+_INT_METHODS = ("numel", "nelement", "dim", "ndimension")
+_INT_ARITHMETIC = (operator.add, operator.sub, operator.mul, operator.floordiv, operator.mod, operator.neg,
+                   operator.pos)
+_INT_AUGMENTED = ("iadd", "isub", "imul", "ifloordiv", "imod")
+
+
+def surely_an_int(obj) -> bool:
+    """Whether a graph value is an int at every call where eager computes it: an int (not a bool), one dim's size of a
+    tensor (`t.size(d)`, `t.shape[d]`), its element count or rank (`t.numel()`, `t.dim()`, `t.ndim`), or +, -, *, //
+    and % of those (`x.numel() // k`). Not a forward argument, which may be anything, nor a whole shape."""
+    if not isinstance(obj, fx.Node):
+        return isinstance(obj, int) and not isinstance(obj, bool)
+    if _size_read(obj) is not None:
+        return True
+    if obj.op == "call_method":
+        return obj.target in _INT_METHODS and len(obj.args) == 1 and not obj.kwargs
+    if obj.op != "call_function" or obj.kwargs:
+        return False
+    if obj.target is builtins.getattr:
+        return obj.args[1:] == ("ndim",)
+    if obj.target in _INT_ARITHMETIC:
+        return all(surely_an_int(a) for a in obj.args)
+    if obj.target is augmented_assignment:
+        return obj.args[0] in _INT_AUGMENTED and surely_an_int(obj.args[1]) and surely_an_int(obj.args[2])
+    return False
+
+
 def canonical_of(node: fx.Node, gm: fx.GraphModule) -> Canonical | None:
     """The canonical op this node spells, or None if it is no op of the vocabulary."""
     c = _spelled_op(node, gm)
@@ -1481,8 +1510,9 @@ _RESHAPE_SIGNATURE = _signature("(input, shape)")
 def _reshape_change(node: fx.Node) -> tuple | None:
     """rank_change's (input, offset, least) of `t.view(*shape)`, `t.view(shape)`, `t.reshape(...)` alike, and
     `torch.reshape(t, shape)`, of a shape given as varargs or as a tuple or list of ints or nodes: as many dims as the
-    shape has, whatever t's (eager raises where a node is no int). Not `t.view(torch.float16)` (a view as a dtype, of
-    t's rank), nor a shape that is one node (`t.view(s)`: an int, one dim, or a torch.Size of any length)."""
+    shape has, whatever t's (eager raises where a node is no int); `t.view(n)` of one node that is surely an int
+    (`t.view(t.numel())`): one. Not `t.view(torch.float16)` (a view as a dtype, of t's rank), nor a shape that is one
+    other node (`t.view(s)`: an int, one dim, or a torch.Size of any length)."""
     if node.op == "call_function":
         try:
             bound = _RESHAPE_SIGNATURE.bind(*node.args, **node.kwargs)
@@ -1496,8 +1526,8 @@ def _reshape_change(node: fx.Node) -> tuple | None:
             return None
         if keyword in node.kwargs:
             shape = node.kwargs[keyword]
-        elif len(sizes) == 1 and not isinstance(sizes[0], int):
-            shape = sizes[0]  # (a tuple or list; a dtype, or a node, is left out below)
+        elif len(sizes) == 1 and not isinstance(sizes[0], int) and not surely_an_int(sizes[0]):
+            shape = sizes[0]  # (a tuple or list; a dtype, or a node of any length, is left out below)
         else:
             shape = sizes
     if not isinstance(source, fx.Node) or not isinstance(shape, (tuple, list)) or \
