@@ -1555,6 +1555,18 @@ def joined_tensors(node: fx.Node) -> tuple[tuple[fx.Node, ...], int] | None:
     return tuple(tensors), _JOINS[node.target]
 
 
+def joined_argument(node: fx.Node) -> tuple[fx.Node, int] | None:
+    """(argument, more) where `node` joins the items of forward argument `argument` (`torch.cat(xs, 1)` of a list or
+    tuple xs, of any length) as joined_tensors' joins do: a tensor of the most dims of its items, `more` dims more,
+    where eager computes. Not into a tensor of the graph (`out=`). None for any other node."""
+    if node.op != "call_function" or node.target not in _JOINS or "out" in node.kwargs:
+        return None
+    tensors = node.args[0] if node.args else node.kwargs.get("tensors")
+    if not isinstance(tensors, fx.Node) or tensors.op != "placeholder":
+        return None
+    return tensors, _JOINS[node.target]
+
+
 def _index_change(node: fx.Node) -> tuple | None:
     """rank_change's (input, offset, least) of `t[index]` with basic indices only: one dim more per None, one fewer per
     int, slices and Ellipsis keep theirs. A bare int or slice of a forward argument is left out: the argument may be a

@@ -20,8 +20,8 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .canonicalize import (FEATURE_POOL, IDENTITY, LINEAR, SQUEEZED, Attr, augmented_assignment, canonicalize,
-                           has_call_hooks, hooks_of, joined_tensors, rank_change, restore_readers_outside_regions,
-                           shape_after, shape_step)
+                           has_call_hooks, hooks_of, joined_argument, joined_tensors, rank_change,
+                           restore_readers_outside_regions, shape_after, shape_step)
 from .epilogue import EPILOGUE_OPS, NORM, POINTWISE, REDUCTION
 from .library import gemm_epilogue, gemm_epilogue_train, mean_of_row_groups
 from .match import _OPERATOR_IN_PLACE, Facts, Region, find_region, module_tensor, module_tensor_path
@@ -303,7 +303,8 @@ def require_broadcast_rank(values: tuple, least: int, rank: int, what: str, offs
     tell (an offset (SQUEEZED, dims, more[, steps]): `self.fc(x.squeeze(0).unsqueeze(0))` is x.squeeze(0)'s rank, 1
     more; `steps`, the squeezes and unsqueezes of x before that squeeze, `x.unsqueeze(1).squeeze(0)`), or by what
     the value passed for it is (an offset (ITEM, index, more) of an argument whose item it reads, `self.fc(x[0])`: a
-    tensor's rank but one, a list's item's own: _item_rank): it has the most dims of them, which, where not `rank`,
+    tensor's rank but one, a list's item's own: _item_rank; index None, of an argument whose items it joins,
+    `self.fc(torch.cat(xs, 1))`: the most dims of its items, _items_rank): it has the most dims of them, which, where not `rank`,
     runs the model's forward instead (NotOptimizedForThisCall), as it does where eager's squeeze or indexing raises.
     Anything but a tensor (or a list or tuple whose item it reads) has no dims to broadcast."""
     made = _broadcast_rank(values, least, offsets)
@@ -330,7 +331,7 @@ def _broadcast_rank(values: tuple, least: int, offsets: tuple | None) -> int:
     for value, offset in zip(values, offsets):
         if isinstance(offset, tuple) and offset[0] == ITEM:  # (ITEM, index, more): `x[index]`, `more` dims more
             _, index, more = offset
-            rank = _item_rank(value, index)
+            rank = _items_rank(value) if index is None else _item_rank(value, index)
             if rank is not None:
                 made.append(rank + more)
             continue
@@ -368,6 +369,23 @@ def _item_rank(value, index: int) -> int | None:
                                       f"{len(value)} items")
     item = value[index]
     return item.dim() if isinstance(item, torch.Tensor) else None
+
+
+def _items_rank(value) -> int:
+    """The most dims of the items of `value`, a forward argument that a join reads (`torch.cat(xs, 1)`), at this call:
+    the rank of what torch.cat makes of them (it skips 1-D empty ones; it raises for any other mix), one fewer than
+    torch.stack's. NotOptimizedForThisCall where eager's join raises for the argument (not a list or tuple, no items,
+    an item that is no tensor): the model's forward raises it."""
+    if not isinstance(value, (list, tuple)):
+        raise NotOptimizedForThisCall(f"fxfuse: this part of the model was optimized for a join of a list or tuple; got "
+                                      f"a {type(value).__module__}.{type(value).__qualname__}")
+    # (as eager's joins read them: a subclass's own iteration or indexing does not run)
+    items = list.__iter__(value) if isinstance(value, list) else tuple.__iter__(value)
+    ranks = [item.dim() if isinstance(item, torch.Tensor) else None for item in items]
+    if not ranks or None in ranks:
+        raise NotOptimizedForThisCall(f"fxfuse: eager's join raises for a {type(value).__name__} of {len(ranks)} items, "
+                                      "not all of them tensors")
+    return max(ranks)
 
 
 def require_features(x, weight: torch.Tensor, features: int, dim: int, what: str, pool: int = 1) -> None:
@@ -576,7 +594,8 @@ def _is_argument(value) -> bool:
 
 
 # The offset of an argument whose item the value is made of (`x[0]`): (ITEM, index, more), the rank of the argument's
-# item `index` (a tensor's rank but one, a list's or tuple's item's own: _item_rank), and `more` dims more.
+# item `index` (a tensor's rank but one, a list's or tuple's item's own: _item_rank), and `more` dims more; index None:
+# the most dims of its items, which a join reads (`torch.cat(xs, 1)`: _items_rank).
 ITEM = "item"
 
 
@@ -649,7 +668,8 @@ def _ranks_following_arguments(gm: fx.GraphModule, canon: dict, mutations: list,
     dims, more[, steps])), where no op before it may change the argument in place (`x.t_()`: the sizes the first
     checks see are the call's). `mutations`: Facts.mutations'. `items`: also what is made of an int item of an
     argument (`x[0]`, an offset (ITEM, index, more)), whose rank the first checks can tell, but which may be a list's
-    item, of any kind (not a tensor or number to take as a param)."""
+    item, of any kind (not a tensor or number to take as a param), and a join of an argument's items
+    (`torch.cat(xs, 1)`, an offset (ITEM, None, more))."""
     following = {}
     changing = dict(mutations)
     made_from = {}  # node -> the arguments it is made of (any of which it may be, `x.contiguous()`)
@@ -671,6 +691,11 @@ def _ranks_following_arguments(gm: fx.GraphModule, canon: dict, mutations: list,
         if item is not None and _items_only_read(item[0]):
             argument, index = item
             following[node] = ({argument: (ITEM, index, 0)}, 0)
+            continue
+        joined = joined_argument(node) if items else None
+        if joined is not None and _items_only_read(joined[0]):  # (eager's joins make 1 dim or more)
+            argument, more = joined
+            following[node] = ({argument: (ITEM, None, more)}, 1)
             continue
         if _keeps_its_operands_shape(c) and c.operands[0] in shaped_as:
             shaped_as[node] = shaped_as[c.operands[0]]
@@ -1120,8 +1145,9 @@ def fuse_graph(gm: fx.GraphModule, where: str = "", training: bool = False, shap
     following = {} if shapes_guarded else _ranks_following_arguments(gm, canon, facts.mutations(canon))
     # (not what is made of no argument, `conv(x).view(b, -1)`: a rank of its own, no tensor that a check first tells)
     facts.made_of_arguments = frozenset(node for node, (made_of, _) in following.items() if made_of)
-    # (an item of an argument, `x[0]`, may be a list's, of any kind: its rank is for the first checks only)
-    has_items = not shapes_guarded and any(_item_of_argument(node) for node in gm.graph.nodes)
+    # (an item of an argument, `x[0]`, may be a list's, of any kind, and a join's argument `torch.cat(xs, 1)` is a
+    # list: their ranks are for the first checks only)
+    has_items = not shapes_guarded and any(_item_of_argument(node) or joined_argument(node) for node in gm.graph.nodes)
     ranks = _ranks_following_arguments(gm, canon, facts.mutations(canon), items=True) if has_items else following
     if not shapes_guarded:
         # (nor where an op may change x's rank in place, `x.unsqueeze_(0)`: the first checks would see it before)

@@ -4,9 +4,10 @@ result or eager's error (the optimized model runs its model's own forward).
 
 Covered: the GEMM's input made by ops that change the rank by a fixed amount (`x.unsqueeze(0)`, `x.sum(1)`,
 `x[None]`, `x[:, 0]`) or keep it (`x.transpose(1, 2)`), by a view or reshape to a given shape, whose rank is its own
-(`x.view(x.shape[0], -1)`, `x.reshape(-1, IN)`), by torch.cat or torch.stack of such values, by an item of a forward
-argument that may be a list, whose rank the call's argument tells (`xs[0]`, with example inputs too), or by a
-squeeze of a forward argument, whose rank its sizes tell (`x.squeeze(0)`, with example inputs too), an outside
+(`x.view(x.shape[0], -1)`, `x.reshape(-1, IN)`, `x.view(x.numel())`), by torch.cat or torch.stack of such values or
+of a list argument's items (`torch.cat(xs, 1)`, with example inputs too), by an item of a forward argument that may
+be a list, whose rank the call's argument tells (`xs[0]`, with example inputs too), or by a squeeze of a forward
+argument, whose rank its sizes tell (`x.squeeze(0)`, with example inputs too), an outside
 operand made of forward arguments (`h + x.sum(-1, keepdim=True).unsqueeze(0)`, `h + y.unsqueeze(-1)`), and a forward
 argument that an add's or sub's alpha scales before the region reads it (`torch.sub(h, y, alpha=2)`).
 """
@@ -486,6 +487,78 @@ def test_an_input_made_by_rank_changes_fuses_in_bfloat16():
     model = GemmThen(lambda m, x, y: F.group_norm(m.fc(x.unsqueeze(0)), 4)).eval()
     optimized = _whole_chain_fused(model, (torch.randn(IN),), dtype=torch.bfloat16)
     _eager_or_its_error(model, optimized, torch.randn(4, IN, dtype=torch.bfloat16))
+
+
+# ---------------------------------------------------------------- the GEMM's input: a join of a list argument
+
+class ItemsJoined(list):
+    """A list whose indexing and iteration are code of their own: torch.cat reads its items without them."""
+
+    def __getitem__(self, index):
+        raise AssertionError("indexed")
+
+    def __iter__(self):
+        raise AssertionError("iterated")
+
+
+# (epilogue, a list argument it fuses for without example inputs, others: eager computes, or raises)
+_X_JOINED_OF_A_LIST = [
+    (lambda m, xs, y: m.fc(torch.cat(xs, 1)).softmax(1), _items((3, 20), (3, 4)),
+     [_items((2, 3, IN), (2, 1, IN)), _items((2, 3, 20), (2, 3, 4)), _items((20,), (4,)), _items((3, IN)), _items((3, IN), (0,)),
+      _items((0,), (3, IN)), _items((2, 3, 10), (2, 3, 14), kind=tuple), ItemsJoined(_items((2, 3, 20), (2, 3, 4))),
+      ItemsJoined(_items((3, 20), (3, 4))), [], [torch.randn(3, 20), 1.0], torch.randn(3, IN), _items((3, 1), ())]),
+    (lambda m, xs, y: F.group_norm(m.fc(torch.stack(xs)), 5), _items((IN,), (IN,)),
+     [_items((3, IN), (3, IN)), _items((IN,)), _items((IN,), (3, IN)), ()]),
+    (lambda m, xs, y: m.fc(torch.concat(tensors=xs, dim=-1).relu()).amax(1), _items((2, IN)),
+     [_items((2, 2, IN)), _items((IN,))]),
+]
+_JOINED_OF_A_LIST_IDS = ["cat-softmax", "stack-group_norm", "concat-keywords-relu-amax"]
+
+
+@pytest.mark.parametrize("forward, traced, others", _X_JOINED_OF_A_LIST, ids=_JOINED_OF_A_LIST_IDS)
+@pytest.mark.parametrize("example_inputs", [False, True], ids=["no-example-inputs", "example-inputs"])
+def test_an_input_joined_of_a_list_argument_is_checked_first(forward, traced, others, example_inputs):
+    """`torch.cat(xs, 1)` of a list argument has its items' rank (the most dims of them: it skips 1-D empty ones),
+    torch.stack one more: softmax(1) of fc of it holds for one rank, which the check before any op tells of the items
+    the call passes. It was not fused, with example inputs too; a call of other items, or of anything eager's join
+    raises for, gives eager's result or error."""
+    model = GemmThen(forward).eval()
+    optimized = fxfuse.optimize(model, (list(traced),) if example_inputs else None)
+    assert fused_op_count(optimized) == 1 and not optimized.fxfuse_report.near_misses, optimized.fxfuse_report
+    assert _calls_of(optimized, require_broadcast_rank) == 1, optimized.code
+    for inputs in (traced, *others):
+        _eager_or_its_error(model, optimized, inputs)
+
+
+def _item_unsqueezed_in_place_then_joined(m, xs, y):
+    xs[0].unsqueeze_(0)
+    return m.fc(torch.cat(xs, 1)).softmax(1)
+
+
+@pytest.mark.parametrize("forward", [
+    lambda m, xs, y: m.fc(torch.cat(_inserted_first(xs, y), 1)).softmax(1),
+    lambda m, xs, y: m.fc(torch.cat(xs + [y], 1)).softmax(1),
+], ids=["insert", "list-plus"])
+def test_a_join_of_a_list_argument_that_a_method_may_change_is_not_fused(forward):
+    """`xs.insert(0, y)` before `torch.cat(xs, 1)`: the check before any op would read the items the call passed."""
+    model = GemmThen(forward).eval()
+    optimized = fxfuse.optimize(model)
+    assert fused_op_count(optimized) == 0, optimized.fxfuse_report
+    assert_reason(optimized, "no check before the model's first op can tell the rank of `cat`")
+    xs, y = _items((2, 3, IN)), torch.randn(2, 1, IN)
+    with torch.no_grad():
+        assert_close_report(optimized(list(xs), y), model(list(xs), y))
+
+
+def test_a_join_of_a_list_argument_whose_item_may_change_rank_in_place_is_not_fused():
+    """`xs[0].unsqueeze_(0)` before `torch.cat(xs, 1)`: the check before any op would see the item's rank before it."""
+    model = GemmThen(_item_unsqueezed_in_place_then_joined).eval()
+    optimized = fxfuse.optimize(model)
+    assert fused_op_count(optimized) == 0, optimized.fxfuse_report
+    assert_reason(optimized, "in place (`unsqueeze_`, `out=`, a hooked module)")
+    xs = _items((3, IN), (1, 2, IN))
+    with torch.no_grad():
+        assert_close_report(optimized([t.clone() for t in xs]), model([t.clone() for t in xs]))
 
 
 # ---------------------------------------------------------------- the GEMM's input: squeeze, whose rank a size tells
