@@ -1116,30 +1116,35 @@ def _gradient_problem(region: Region) -> str | None:
 
 
 def _unchecked_rank_problem(region: Region, facts: Facts) -> str | None:
-    """A program that holds for one rank of x (region.x_rank) is fused in optimize()'s graphs where a check before
-    any op can tell x's rank at a call, so that a call of another rank runs the model's own forward. Where none can
-    (x is what an op makes whose result's rank does not follow from the forward arguments', such as a hooked module,
-    which may change its inputs and return any rank, and no example inputs gave ranks), the check could only come
-    after that op: it would raise where eager computes (softmax over dim 1 of a 3-D value), and handing the call to
-    the model's forward there would run what ran before it, a hook, twice."""
-    if region.x_rank is None or facts.rank_checks_before_any_op is None:
+    """A program that holds for one rank of x (region.x_rank), or for x of some dims or more (region.x_rank_at_least:
+    a whole view `h[:, :]`, which eager raises IndexError for where h has fewer, unless an operand broadcast gives it
+    them), is fused in optimize()'s graphs where a check before any op can tell x's rank at a call, so that a call of
+    another rank runs the model's own forward. Where none can (x is what an op makes whose result's rank does not
+    follow from the forward arguments', such as a hooked module, which may change its inputs and return any rank, and
+    no example inputs gave ranks), the check could only come after that op: it would raise where eager computes
+    (softmax over dim 1 of a 3-D value) or raises another error, and handing the call to the model's forward there
+    would run what ran before it, a hook, twice."""
+    least = region.x_rank_at_least if region.x_rank_at_least is not None and \
+        (region.x_rank or 0) < region.x_rank_at_least else None
+    if (region.x_rank is None and least is None) or facts.rank_checks_before_any_op is None:
         return None
+    needed = f"a {region.x_rank}-D input only" if region.x_rank is not None else f"an input of {least} dims or more"
     changed_by = facts.rank_changed_in_place.get(region.x)
     if changed_by is not None and facts.position.get(changed_by, -1) < max(facts.position[m] for m in region.members):
-        return (f"the fused op holds for a {region.x_rank}-D input only, and an op may change the rank of "
-                f"{describe(region.x)} in place (`unsqueeze_`, `out=`, a hooked module): no check before the model's "
-                "first op can tell it at a call, and a later one would raise where eager computes for another rank")
-    if region.x in facts.following_ranks:  # (a first check that fails at every call: the fused op would never run)
+        return (f"the fused op holds for {needed}, and an op may change the rank of {describe(region.x)} in place "
+                "(`unsqueeze_`, `out=`, a hooked module): no check before the model's first op can tell it at a call, "
+                "and a later one would raise where eager computes for another rank")
+    if region.x_rank is not None and region.x in facts.following_ranks:  # (a first check that fails at every call)
         made_of, fewest = facts.following_ranks[region.x]
         fixed = all(offset is None for offset in made_of.values())
         if fewest > region.x_rank or (fixed and fewest != region.x_rank):
-            return (f"the fused op holds for a {region.x_rank}-D input only, and {describe(region.x)} has "
+            return (f"the fused op holds for {needed}, and {describe(region.x)} has "
                     f"{fewest if fixed else f'{fewest} or more'} dims at every call")
-    if facts.rank_checks_before_any_op(region.x, region.x_rank):
+    if facts.rank_checks_before_any_op(region.x, region.x_rank if region.x_rank is not None else least):
         return None
-    return (f"the fused op holds for a {region.x_rank}-D input only, and no check before the model's first op can "
-            f"tell the rank of {describe(region.x)} at a call (a later one would raise where eager computes for "
-            "another rank): pass example inputs")
+    return (f"the fused op holds for {needed}, and no check before the model's first op can tell the rank of "
+            f"{describe(region.x)} at a call (a later one would raise where eager computes for another rank, or "
+            "raises another error): pass example inputs")
 
 
 def _region_of(growth: _Growth, snapshot: tuple, output: fx.Node) -> Region:

@@ -976,6 +976,9 @@ def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool,
                 made_of, most = ranks[region.x]
                 _check_first(graph, position, require_broadcast_rank_at_least,
                              (tuple(made_of), most, region.x_rank_at_least, "input", tuple(made_of.values())))
+            else:  # (the example inputs' ranks, for which x had the dims: the matcher fused it for no call without them)
+                for check, args in _first_rank_checks(graph, region.x, region.x_rank_at_least, ranks):
+                    _check_first(graph, position, check, args)
             graph.call_function(require_rank_at_least, (region.x, region.x_rank_at_least, "input"))
         if _is_argument(region.weight) and not shapes_guarded:
             _check_first(graph, position, require_argument_rank, (region.weight, 2, "weight"))

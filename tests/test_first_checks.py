@@ -718,6 +718,63 @@ def test_a_value_whose_rank_an_op_may_change_in_place_is_not_fused(forward, shap
         assert_close_report(optimized(*(t.clone() for t in inputs)), model(*(t.clone() for t in inputs)))
 
 
+def _squeezed_in_place(value):
+    """`value`, after `value.squeeze_(0)`, which drops its first dim where that is 1."""
+    value.squeeze_(0)
+    return value
+
+
+class HookedThen(nn.Module):
+    """`epilogue(m, x, y)`, where `m.pre` is an identity module with a hook: its output's rank is the hook's."""
+
+    def __init__(self, epilogue):
+        super().__init__()
+        self.fc, self.pre, self.epilogue = nn.Linear(IN, OUT), nn.Identity(), epilogue
+        self.pre.register_forward_hook(lambda module, inputs, output: None)
+
+    def forward(self, x, y=None):
+        return self.epilogue(self, x, y)
+
+
+# (model, inputs: eager computes for some, raises IndexError for the others)
+_WHOLE_VIEWS_OF_A_RANK_NOT_TOLD = [
+    (GemmThen(lambda m, x, y: m.fc(_squeezed_in_place(x.view(x.size(0), -1)))[:, :].relu()),
+     [(torch.randn(3, IN), None), (torch.randn(1, IN), None)]),
+    (GemmThen(lambda m, x, y: (m.fc(_squeezed_in_place(x[:, :])) + y)[:, :].relu()),
+     [(torch.randn(3, IN), torch.randn(3, OUT)), (torch.randn(1, IN), torch.randn(2, OUT)),
+      (torch.randn(1, IN), torch.randn(OUT))]),
+    (HookedThen(lambda m, x, y: m.fc(m.pre(x))[:, :].relu()), [(torch.randn(3, IN), None), (torch.randn(IN), None)]),
+    (HookedThen(lambda m, x, y: (m.fc(m.pre(x)) + y)[:, :].relu()),
+     [(torch.randn(3, IN), torch.randn(3, OUT)), (torch.randn(IN), torch.randn(2, OUT)),
+      (torch.randn(IN), torch.randn(OUT))]),
+]
+
+
+@pytest.mark.parametrize("model, inputs", _WHOLE_VIEWS_OF_A_RANK_NOT_TOLD,
+                         ids=["view-squeeze_", "slice-squeeze_-plus-argument", "hooked", "hooked-plus-argument"])
+def test_a_whole_view_of_a_value_whose_rank_no_first_check_tells_gives_eagers_result_or_error(model, inputs):
+    """`fc(v)[:, :]` needs v of 2 dims or more (require_rank_at_least), where `v.squeeze_(0)` or a hooked module may
+    leave 1: no check before any op tells v's rank at a call, and the check where the region runs raised fxfuse's
+    error where eager raises IndexError, or computes (`fc(v) + y` of a 2-D y has 2 dims). The whole view is left out
+    of the region, and the near miss says why."""
+    optimized = fxfuse.optimize(model.eval())
+    assert_reason(optimized, "an input of 2 dims or more")
+    for x, y in inputs:
+        _eager_or_its_error(model, optimized, x.clone(), y)
+
+
+def test_a_whole_view_of_a_value_whose_rank_no_first_check_tells_fuses_with_example_inputs():
+    """With example inputs, the whole view of what a convolution makes fuses, and the arguments' example ranks are
+    checked first, as for a program that holds for one rank (a call of others runs the model's forward)."""
+    model = GemmThen(lambda m, x, y: (m.fc(m.pre(x)) + y)[:, :].relu(), pre=nn.Conv1d(3, 3, 1)).eval()
+    optimized = fxfuse.optimize(model, (torch.randn(2, 3, IN), torch.randn(3, OUT)))
+    assert fused_op_count(optimized) == 1 and not optimized.fxfuse_report.near_misses, optimized.fxfuse_report
+    assert _calls_of(optimized, require_argument_rank) == 2, optimized.code
+    for x, y in ((torch.randn(2, 3, IN), torch.randn(3, OUT)), (torch.randn(3, IN), torch.randn(OUT)),
+                 (torch.randn(2, 3, IN), torch.randn(OUT)), (torch.randn(3, IN), torch.randn(2, 3, OUT))):
+        _eager_or_its_error(model, optimized, x, y)
+
+
 class HookedReaderAfter(nn.Module):
     """`softmax(fc(x), 1)`, then a hooked module given x, whose hook runs after the region."""
 
