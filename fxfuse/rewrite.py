@@ -761,12 +761,15 @@ _RANK_KEEPING_IN_PLACE = frozenset(("transpose_", "t_", "swapdims_", "swapaxes_"
                                     "masked_fill_", "requires_grad_"))
 
 
-def _values_whose_rank_may_change_in_place(gm: fx.GraphModule, canon: dict, mutations: list) -> dict[fx.Node, fx.Node]:
+def _values_whose_rank_may_change_in_place(gm: fx.GraphModule, canon: dict, mutations: list,
+                                            following: dict) -> dict[fx.Node, fx.Node]:
     """The values whose rank an op may change in place (`v.unsqueeze_(0)`, `out=v`, which resizes v, a hooked
-    module or a function of the user's given v), and the values that may be the same tensor as one of them (each
-    value and the values it is made of, but through GEMMs, views, reshapes, unsqueezes and joins, which make tensors
-    of their own), each with the first such op: the first checks tell such a value's rank as the graph makes it, not
-    as that op leaves it. `mutations`: Facts.mutations' (in graph order)."""
+    module or a function of the user's given v), the values that may be the same tensor as one of them (each value
+    and the values it is made of, but through GEMMs, views, reshapes, unsqueezes and joins, which make tensors of
+    their own), and the values whose rank the first checks tell (`following`: _ranks_following_arguments') that ops
+    after it make of them (`v.unsqueeze(0)`, not `v.view(b, -1)`, of a rank of its own), each with the first such op:
+    the first checks tell such a value's rank as the graph makes it, not as that op leaves it. `mutations`:
+    Facts.mutations' (in graph order)."""
     changing = [(node, [m for m in values if isinstance(m, fx.Node)]) for node, values in mutations
                 if not _keeps_rank_in_place(node, canon)]
     if not any(values for _, values in changing):
@@ -787,6 +790,19 @@ def _values_whose_rank_may_change_in_place(gm: fx.GraphModule, canon: dict, muta
                 if value not in first_change:
                     first_change[value] = op
                     stack.append(value)
+    # A value whose rank the first checks tell, made after that op of such a value, has a rank of that op's making
+    # too (`v.unsqueeze(0)`, `torch.cat([v, w])`), unless its rank is its own whatever its input's (`v.view(b, -1)`)
+    position = {node: i for i, node in enumerate(gm.graph.nodes)}
+    for node in gm.graph.nodes:
+        reshaped = rank_change(node) if node not in canon else None
+        if node not in following or (reshaped is not None and reshaped[1] is None):
+            continue
+        ops = [first_change[value] for value in node.all_input_nodes
+               if value in first_change and position[first_change[value]] < position[node]]
+        if node in first_change:
+            ops.append(first_change[node])
+        if ops:
+            first_change[node] = min(ops, key=position.get)
     return first_change
 
 
@@ -1154,7 +1170,7 @@ def fuse_graph(gm: fx.GraphModule, where: str = "", training: bool = False, shap
     ranks = _ranks_following_arguments(gm, canon, facts.mutations(canon), items=True) if has_items else following
     if not shapes_guarded:
         # (nor where an op may change x's rank in place, `x.unsqueeze_(0)`: the first checks would see it before)
-        facts.rank_changed_in_place = _values_whose_rank_may_change_in_place(gm, canon, facts.mutations(canon))
+        facts.rank_changed_in_place = _values_whose_rank_may_change_in_place(gm, canon, facts.mutations(canon), ranks)
         facts.following_ranks = ranks
 
         def rank_checks_before_any_op(x, x_rank: int) -> list[tuple]:

@@ -702,12 +702,18 @@ def _written_into(value, source):
     (lambda m, x, y: m.fc(_unsqueezed_in_place(x.relu(), lambda v: v.contiguous())).softmax(1), ((3, IN), (1,))),
     (lambda m, x, y: F.group_norm(m.fc(_unsqueezed_in_place(torch.cat([x, y], 0))), 5), ((3, IN), (2, IN))),
     (lambda m, x, y: m.fc(_written_into(x.view(-1, IN), y)).softmax(1), ((3, IN), (2, 3, IN))),
+    (lambda m, x, y: m.fc(_unsqueezed_in_place(x.view(x.size(0), -1)).unsqueeze(0)).softmax(2), ((3, IN), (1,))),
+    (lambda m, x, y: m.fc(torch.cat([_unsqueezed_in_place(x), _unsqueezed_in_place(y)], 1)).softmax(1),
+     ((3, IN), (2, IN))),
+    (lambda m, x, y: m.fc(_unsqueezed_in_place(x).relu()).softmax(1), ((3, IN), (1,))),
 ], ids=["argument-unsqueeze_", "view-unsqueeze_", "flatten-unsqueeze_", "relu-contiguous-unsqueeze_",
-        "cat-unsqueeze_", "view-out="])
+        "cat-unsqueeze_", "view-out=", "view-unsqueeze_-then-unsqueeze", "unsqueeze_-then-cat",
+        "unsqueeze_-then-relu"])
 @pytest.mark.filterwarnings("ignore:An output with one or more elements was resized")
 def test_a_value_whose_rank_an_op_may_change_in_place_is_not_fused(forward, shapes):
     """The first checks tell x's rank as made (`x.view(b, -1)` is 2-D), but an op before the region may change it in
-    place (`unsqueeze_`, `out=` resizes): the check there raised fxfuse's rank error where eager computes (softmax over
+    place (`unsqueeze_`, `out=` resizes), or the rank of a value that a later op makes of it (`v.unsqueeze(0)`,
+    `torch.cat([x, y], 1)`, `x.relu()`): the check there raised fxfuse's rank error where eager computes (softmax over
     dim 1 of a 3-D value). The program that holds for one rank is not fused."""
     model = GemmThen(forward).eval()
     optimized = fxfuse.optimize(model)
