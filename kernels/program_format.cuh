@@ -72,7 +72,7 @@ struct Instruction {
 
 // ================================================================ row programs compiled whole
 
-// The opcode sequences that get a kernel of their own on rows of TPR * 16 values (chain_row_kernel in
+// The opcode sequences that get a kernel of their own on whole rows, TPR * VALUES features (chain_row_kernel in
 // fast_row.cuh); any other program is interpreted. These are the epilogues of the bundled examples, whose row
 // kernels take 11-25% less time this way on the H100 (dev/NOTES.md, variant 57), first as the examples spell
 // them (nn.Hardtanh, torch.min(h, 1)[0]), then with torch.clamp and torch.amin, which compute the same values.
