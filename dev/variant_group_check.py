@@ -3,9 +3,11 @@
 bf16 rows of 1000, 1024, 2048 and 8192 features, 1024 rows.
 
 Usage: python dev/variant_group_check.py dev/variants/NN_name.patch   (or "current")
-Prints each case's ||out - ref|| / ||ref|| and whether it is within the CUDA tests' bound (1e-5 fp32, 1e-2 bf16),
-then how many cases were not. Variant 103 (groups inside one 16-byte vector) was written without a GPU: this is
-its first check.
+Prints each case's ||out - ref|| / ||ref|| (where the reference is all zeros, group_norm of groups of one without its
+affine: the largest |out|) and whether it is within the CUDA tests' bound (1e-5 fp32, 1e-2 bf16), then how many
+cases were not. Variant 103 (groups inside one 16-byte vector) was written without a GPU: this was its first check
+(twenty-ninth session, one H200), and it read as the current kernels in every case: bf16 groups of two without an
+affine 1.3-1.5e-2 in both, the GEMM output's bf16 rounding amplified where a group's two values are close.
 """
 import sys
 from pathlib import Path
@@ -47,7 +49,8 @@ def main():
                 params = [torch.randn(s, device="cuda").to(dtype) for s in shapes]
                 out = torch.ops.fxfuse.gemm_epilogue(x, w, b, params, program)
                 ref = run_reference(x.double(), w.double(), b.double(), [p.double() for p in params], program)
-                error = ((out.double() - ref).norm() / ref.norm()).item()
+                error = ((out.double() - ref).norm() / ref.norm()).item() if ref.norm() > 0 else \
+                    out.double().abs().max().item()
                 ok = error <= BOUNDS[dtype]
                 failures += not ok
                 print(f"{variant} {str(dtype)[6:]:8s} {features:5d} {name:28s} {error:.2e} {'ok' if ok else 'FAIL'}")
