@@ -766,10 +766,11 @@ def _values_whose_rank_may_change_in_place(gm: fx.GraphModule, canon: dict, muta
     """The values whose rank an op may change in place (`v.unsqueeze_(0)`, `out=v`, which resizes v, a hooked
     module or a function of the user's given v), the values that may be the same tensor as one of them (each value
     and the values it is made of, but through GEMMs, views, reshapes, unsqueezes and joins, which make tensors of
-    their own), and the values whose rank the first checks tell (`following`: _ranks_following_arguments') that ops
-    after it make of them (`v.unsqueeze(0)`, not `v.view(b, -1)`, of a rank of its own), each with the first such op:
-    the first checks tell such a value's rank as the graph makes it, not as that op leaves it. `mutations`:
-    Facts.mutations' (in graph order)."""
+    their own; each forward argument and the others, which a call may pass as one tensor), and the values whose rank
+    the first checks tell (`following`: _ranks_following_arguments') that ops after it make of them
+    (`v.unsqueeze(0)`, not `v.view(b, -1)`, of a rank of its own), each with the first such op: the first checks
+    tell such a value's rank as the graph makes it, not as that op leaves it. `mutations`: Facts.mutations' (in
+    graph order)."""
     changing = [(node, [m for m in values if isinstance(m, fx.Node)]) for node, values in mutations
                 if not _keeps_rank_in_place(node, canon)]
     if not any(values for _, values in changing):
@@ -781,6 +782,10 @@ def _values_whose_rank_may_change_in_place(gm: fx.GraphModule, canon: dict, muta
         for value in node.all_input_nodes:
             same_tensor.setdefault(node, set()).add(value)
             same_tensor.setdefault(value, set()).add(node)
+    # (a call may pass one tensor as two forward arguments, or as one and a list's item: `forward(x, y)` of (v, v))
+    arguments = [node for node in gm.graph.nodes if node.op == "placeholder"]
+    for argument in arguments:
+        same_tensor.setdefault(argument, set()).update(other for other in arguments if other is not argument)
     first_change = {}
     for op, values in changing:  # (in graph order: the first op that may change a value is kept)
         stack = [value for value in values if value not in first_change]

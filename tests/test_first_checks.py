@@ -724,6 +724,53 @@ def test_a_value_whose_rank_an_op_may_change_in_place_is_not_fused(forward, shap
         assert_close_report(optimized(*(t.clone() for t in inputs)), model(*(t.clone() for t in inputs)))
 
 
+def _after_unsqueezing_in_place(changed, value):
+    """`value`, after `changed.unsqueeze_(0)`, which changes value's rank too where they are one tensor."""
+    changed.unsqueeze_(0)
+    return value
+
+
+def _one_tensor_twice(value):
+    """Forward arguments (x, y) that are one tensor, passed twice."""
+    return value, value
+
+
+def _a_list_of_one_tensor_and_it(value):
+    """Forward arguments (xs, y): a list that holds y twice, and y."""
+    return [value, value], value
+
+
+# (forward, the arguments of a call of one tensor, its shape: y.unsqueeze_(0) changes x, or xs's items, too)
+_ARGUMENTS_THAT_MAY_BE_ONE_TENSOR = [
+    (lambda m, x, y: m.fc(_after_unsqueezing_in_place(y, x)).softmax(1), _one_tensor_twice, (3, IN)),
+    (lambda m, x, y: m.fc(_after_unsqueezing_in_place(y, x).unsqueeze(0)).softmax(1), _one_tensor_twice, (IN,)),
+    (lambda m, xs, y: m.fc(_after_unsqueezing_in_place(y, xs)[0]).softmax(1), _a_list_of_one_tensor_and_it, (3, IN)),
+    (lambda m, xs, y: m.fc(torch.cat(_after_unsqueezing_in_place(y, xs), -1)).softmax(1), _a_list_of_one_tensor_and_it,
+     (3, IN // 2)),
+    (lambda m, xs, y: m.fc(torch.stack(_after_unsqueezing_in_place(y, xs))).softmax(1), _a_list_of_one_tensor_and_it,
+     (IN,)),
+]
+
+
+@pytest.mark.parametrize("forward, arguments, shape", _ARGUMENTS_THAT_MAY_BE_ONE_TENSOR,
+                         ids=["argument", "unsqueeze", "item", "cat-of-a-list", "stack-of-a-list"])
+@pytest.mark.parametrize("example_inputs", [False, True], ids=["no-example-inputs", "example-inputs"])
+def test_a_value_made_of_an_argument_that_may_be_one_changed_in_place_is_not_fused(forward, arguments, shape,
+                                                                                   example_inputs):
+    """`y.unsqueeze_(0)`, then softmax(1) of fc of what other forward arguments make (`x`, `xs[0]`, `torch.cat(xs)`):
+    a call may pass y as x, or as xs's items, whose rank the op then changes too. The check before any op saw their
+    rank before it, and the check where the region runs raised fxfuse's rank error where eager computes."""
+    model = GemmThen(forward).eval()
+    value = torch.randn(shape)
+    optimized = fxfuse.optimize(model, arguments(value.clone()) if example_inputs else None)
+    with torch.no_grad():
+        assert_close_report(optimized(*arguments(value.clone())), model(*arguments(value.clone())))
+    assert fused_op_count(optimized) == 0, optimized.fxfuse_report
+    if not example_inputs:  # (example inputs of one tensor show some of these programs of another rank)
+        assert_reason(optimized, "in place (`unsqueeze_`, `out=`, a hooked module): no check before the model's "
+                                 "first op")
+
+
 def _squeezed_in_place(value):
     """`value`, after `value.squeeze_(0)`, which drops its first dim where that is 1."""
     value.squeeze_(0)
