@@ -261,8 +261,9 @@ class _Growth:
         # value index -> the least rank it has at every call, whatever the example inputs' ranks: what the tensors it
         # broadcasts with that no input makes (module tensors, constants) give it (a GEMM output: 1)
         self.least_rank: dict[int, int] = {}
-        # value index -> how many dims fewer than x it may have (the dims that reductions without keepdim dropped)
-        self.dims_below_x: dict[int, int] = {}
+        # value index -> how many dims fewer than x it may have (the dims that reductions without keepdim dropped);
+        # None for a value of params alone
+        self.dims_below_x: dict[int, int | None] = {}
         # (x's rank that an admitted op's meaning depends on, the member count before that op)
         self.x_rank: tuple[int, int] | None = None
         self.dtypes: list[tuple[tuple, int, str]] = []  # (an admitted idiom's dtypes, the members before it, its op)
@@ -416,8 +417,10 @@ class _Growth:
                                    if isinstance(o, Param) and not _reads_input(self.params[o.index])],
                                   default=0)
         self.least_rank[index] = max(least_at_every_call - drops_dim, 0)
-        self.dims_below_x[index] = min((self.dims_below_x[o.index] for o in operands if isinstance(o, Value)),
-                                       default=0) + drops_dim
+        # (a value of params alone, addcmul's `mul($0,2.0)`, has no dims of x's: None, which the min leaves out)
+        below_x = [self.dims_below_x[o.index] for o in operands
+                   if isinstance(o, Value) and self.dims_below_x[o.index] is not None]
+        self.dims_below_x[index] = min(below_x) + drops_dim if below_x else None
         if reduced:
             self.reduced.add(index)
         if dropped:

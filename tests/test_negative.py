@@ -685,6 +685,29 @@ def test_a_whole_view_after_a_reduction_without_keepdim_needs_a_dim_more_of_x(wi
         assert_close_report(optimized(x), model(x))
 
 
+def sum_then_addcmul_of_an_argument_then_a_whole_view(m, x, y):
+    return m.fc(x).sum(-1).addcmul(y, y, value=0.5)[:, :].relu()
+
+
+def test_a_whole_view_after_a_reduction_and_steps_of_an_argument_alone_needs_a_dim_more_of_x():
+    """addcmul's `value * y * y` is computed of the forward argument alone, then added to `h.sum(-1)`, which has one
+    dim fewer than x: its whole view needs x of 3 dims (or a y of 2), where those steps counted as x's rank and a
+    2-D x of a 0-d y ran the fused op, where eager raises."""
+    model = GemmThen(sum_then_addcmul_of_an_argument_then_a_whole_view).eval()
+    optimized = fxfuse.optimize(model)
+    assert fused_op_count(optimized) == 1, optimized.fxfuse_report
+    with torch.no_grad():
+        for x, y in ((rows(), torch.randn(())), (rows(), torch.randn(BATCH)), (torch.randn(2, BATCH, IN), torch.randn(())),
+                     (rows(), torch.randn(2, BATCH))):
+            try:
+                expected = model(x, y)
+            except Exception as error:
+                with pytest.raises(type(error), match=re.escape(str(error))):
+                    optimized(x, y)
+                continue
+            assert_close_report(optimized(x, y), expected)
+
+
 def scale_gemm_input_through_a_whole_view(m, x, y):
     h = torch.relu(m.fc(x))
     v = x[:, :]
