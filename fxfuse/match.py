@@ -404,16 +404,19 @@ class _Growth:
             self.member_set.add(member)
 
     def emit(self, node, op, operands, attrs, rank, reduced=False, dropped=False, drops_dim=False, in_place=False,
-             one_feature=False):
+             one_feature=False, broadcast=None):
+        """Append instruction `op` of `operands` as `node`'s value, of `rank` where known; its least ranks are those
+        of the operands that broadcast it (`broadcast`, all by default: not prelu's slopes)."""
         self.instructions.append(Instruction(op, tuple(operands), tuple(attrs), in_place))
         index = len(self.instructions)
         self.value[node] = index
         self.rank[index] = rank
-        least = max([self.min_rank[o.index] for o in operands if isinstance(o, Value)] +
-                    [self.facts.rank(self.params[o.index]) or 0 for o in operands if isinstance(o, Param)])
+        broadcast = operands if broadcast is None else broadcast
+        least = max([self.min_rank[o.index] for o in broadcast if isinstance(o, Value)] +
+                    [self.facts.rank(self.params[o.index]) or 0 for o in broadcast if isinstance(o, Param)])
         self.min_rank[index] = rank if rank is not None else least - drops_dim
-        least_at_every_call = max([self.least_rank[o.index] for o in operands if isinstance(o, Value)] +
-                                  [self.facts.rank(self.params[o.index]) or 0 for o in operands
+        least_at_every_call = max([self.least_rank[o.index] for o in broadcast if isinstance(o, Value)] +
+                                  [self.facts.rank(self.params[o.index]) or 0 for o in broadcast
                                    if isinstance(o, Param) and not _reads_input(self.params[o.index])],
                                   default=0)
         self.least_rank[index] = max(least_at_every_call - drops_dim, 0)
@@ -513,7 +516,7 @@ class _Growth:
         if dtype_needed is not None:  # a no-op as traced, but under autocast the GEMM output is autocast's dtype
             return (f"{c.op} with dtype={_dtype_name(dtype_needed)} pins its result's dtype, which the fused op "
                     "would not under autocast")
-        rank = self.result_rank(operands)
+        rank = self.result_rank(_broadcasting(spec, operands))
         problem = (self.row_local_problem(node, c, spec, values[0].index, rank)
                    or self.rank_dependence(node, c, spec, rank, values[0].index))
         if problem:
@@ -550,7 +553,8 @@ class _Growth:
             if problem:
                 return problem
         self.emit(node, c.op, operands, attrs, rank, reduced=reduces or all(v.index in self.reduced for v in values),
-                  dropped=dropped, drops_dim=drops_dim, in_place=in_place, one_feature=one_feature)
+                  dropped=dropped, drops_dim=drops_dim, in_place=in_place, one_feature=one_feature,
+                  broadcast=_broadcasting(spec, operands))
         return None
 
     def admit_feature_pool(self, node: fx.Node, c: Canonical) -> str | None:
@@ -1116,6 +1120,13 @@ def _gradient_problem(region: Region) -> str | None:
     if len(region.program.instructions) in reaches:
         return None
     return f"{describe(region.output)} depends on the GEMM only through detach, so eager gives the GEMM no gradient"
+
+
+def _broadcasting(spec, operands) -> list:
+    """The operands of an op (of `spec`) that its value broadcasts with: not its feature operands, prelu's slopes or
+    a norm's affines, which keep the value's shape (prelu of a 0-d value is 0-d)."""
+    return [o for i, o in enumerate(operands)
+            if i >= len(spec.operands) or spec.operands[i] not in spec.feature_operands]
 
 
 def _unchecked_rank_problem(region: Region, facts: Facts) -> str | None:

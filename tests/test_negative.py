@@ -1255,6 +1255,21 @@ def test_a_number_argument_keeps_the_dtype_of_a_value_of_no_dims(example):
                 assert_close_report(got, want)
 
 
+def test_a_number_argument_keeps_the_dtype_of_a_value_of_no_dims_after_prelu():
+    """prelu's slopes do not broadcast its value: `prelu(fc(x).amax(-1)) * s` of a 1-D x is 0-d, where the slopes'
+    one dim counted as the value's, so no first check of x's rank was made, and the fused op's 0-d float64 tensor for
+    a number s promoted the result to float64 (optimize_hunt seed 726104)."""
+    model = GemmThen(lambda m, x, y: m.act(torch.relu(m.fc(x)).amax(-1)) * y, act=nn.PReLU()).eval()
+    optimized = fxfuse.optimize(model)
+    assert fused_programs(optimized) == ["relu(%0);amax(%1,-1,False);prelu(%2,$0);mul(%3,$1)"]
+    with torch.no_grad():
+        for x in (torch.randn(IN), rows()):
+            for y in (2.0, torch.tensor(2.0)):
+                got, want = optimized(x, y), model(x, y)
+                assert got.dtype == want.dtype, (tuple(x.shape), y, got.dtype, want.dtype)
+                assert_close_report(got, want)
+
+
 def test_a_number_argument_beside_a_value_of_no_dims_of_a_computed_input_is_left_out():
     """The rank check runs first, on a forward argument: of a GEMM input the graph computes, the division that may
     promote stays out of the region, and explain() says why."""
