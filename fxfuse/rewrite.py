@@ -304,9 +304,9 @@ def require_broadcast_rank(values: tuple, least: int, rank: int, what: str, offs
     more; `steps`, the squeezes and unsqueezes of x before that squeeze, `x.unsqueeze(1).squeeze(0)`), or by what
     the value passed for it is (an offset (ITEM, index, more) of an argument whose item it reads, `self.fc(x[0])`: a
     tensor's rank but one, a list's item's own: _item_rank; index None, of an argument whose items it joins,
-    `self.fc(torch.cat(xs, 1))`: the most dims of its items, _items_rank): it has the most dims of them, which, where not `rank`,
-    runs the model's forward instead (NotOptimizedForThisCall), as it does where eager's squeeze or indexing raises.
-    Anything but a tensor (or a list or tuple whose item it reads) has no dims to broadcast."""
+    `self.fc(torch.cat(xs, 1))`: the most dims of its items, _items_rank): it has the most dims of them, which,
+    where not `rank`, runs the model's forward instead (NotOptimizedForThisCall), as it does where eager's squeeze or
+    indexing raises. Anything but a tensor (or a list or tuple whose item it reads) has no dims to broadcast."""
     made = _broadcast_rank(values, least, offsets)
     if made != rank:
         raise NotOptimizedForThisCall(_rank_message(made, rank, what))
@@ -377,14 +377,14 @@ def _items_rank(value) -> int:
     torch.stack's. NotOptimizedForThisCall where eager's join raises for the argument (not a list or tuple, no items,
     an item that is no tensor): the model's forward raises it."""
     if not isinstance(value, (list, tuple)):
-        raise NotOptimizedForThisCall(f"fxfuse: this part of the model was optimized for a join of a list or tuple; got "
-                                      f"a {type(value).__module__}.{type(value).__qualname__}")
+        raise NotOptimizedForThisCall("fxfuse: this part of the model was optimized for a join of a list or tuple; "
+                                      f"got a {type(value).__module__}.{type(value).__qualname__}")
     # (as eager's joins read them: a subclass's own iteration or indexing does not run)
     items = list.__iter__(value) if isinstance(value, list) else tuple.__iter__(value)
     ranks = [item.dim() if isinstance(item, torch.Tensor) else None for item in items]
     if not ranks or None in ranks:
-        raise NotOptimizedForThisCall(f"fxfuse: eager's join raises for a {type(value).__name__} of {len(ranks)} items, "
-                                      "not all of them tensors")
+        raise NotOptimizedForThisCall(f"fxfuse: eager's join raises for a {type(value).__name__} of {len(ranks)} "
+                                      "items, not all of them tensors")
     return max(ranks)
 
 
@@ -997,7 +997,7 @@ def _replace(gm: fx.GraphModule, region: Region, position: dict, training: bool,
                 made_of, most = ranks[region.x]
                 _check_first(graph, position, require_broadcast_rank_at_least,
                              (tuple(made_of), most, region.x_rank_at_least, "input", tuple(made_of.values())))
-            else:  # (the example inputs' ranks, for which x had the dims: the matcher fused it for no call without them)
+            else:  # (the example inputs' ranks, for which x had the dims: the matcher fused it for no other call)
                 for check, args in _first_rank_checks(graph, region.x, region.x_rank_at_least, ranks):
                     _check_first(graph, position, check, args)
             graph.call_function(require_rank_at_least, (region.x, region.x_rank_at_least, "input"))

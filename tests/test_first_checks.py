@@ -178,8 +178,9 @@ _X_VIEWED_AS_ONE_COUNTED_SIZE = [
      [(IN,), (2, 3, 4)]),
     (_viewed_as_its_count_then_unsqueezed, (IN,), [(4, 6), (2, 3, 4), (3, IN)]),
 ]
-_COUNTED_IDS = ["view-numel-unsqueeze-softmax", "reshape-size-product-index-None-amax", "view-size-mod-stack-group_norm",
-                "reshape-dim-times-numel-floordiv-ndim-softmax", "view-numel-augmented-floordiv-softmax"]
+_COUNTED_IDS = ["view-numel-unsqueeze-softmax", "reshape-size-product-index-None-amax",
+                "view-size-mod-stack-group_norm", "reshape-dim-times-numel-floordiv-ndim-softmax",
+                "view-numel-augmented-floordiv-softmax"]
 
 
 @pytest.mark.parametrize("forward, shape, others", _X_VIEWED_AS_ONE_COUNTED_SIZE, ids=_COUNTED_IDS)
@@ -504,9 +505,9 @@ class ItemsJoined(list):
 # (epilogue, a list argument it fuses for without example inputs, others: eager computes, or raises)
 _X_JOINED_OF_A_LIST = [
     (lambda m, xs, y: m.fc(torch.cat(xs, 1)).softmax(1), _items((3, 20), (3, 4)),
-     [_items((2, 3, IN), (2, 1, IN)), _items((2, 3, 20), (2, 3, 4)), _items((20,), (4,)), _items((3, IN)), _items((3, IN), (0,)),
-      _items((0,), (3, IN)), _items((2, 3, 10), (2, 3, 14), kind=tuple), ItemsJoined(_items((2, 3, 20), (2, 3, 4))),
-      ItemsJoined(_items((3, 20), (3, 4))), [], [torch.randn(3, 20), 1.0], torch.randn(3, IN), _items((3, 1), ())]),
+     [_items((2, 3, IN), (2, 1, IN)), _items((2, 3, 20), (2, 3, 4)), _items((20,), (4,)), _items((3, IN)),
+      _items((3, IN), (0,)), _items((0,), (3, IN)), _items((2, 3, 10), (2, 3, 14), kind=tuple),
+      ItemsJoined(_items((2, 3, 20), (2, 3, 4))), ItemsJoined(_items((3, 20), (3, 4))), [], [torch.randn(3, 20), 1.0], torch.randn(3, IN), _items((3, 1), ())]),
     (lambda m, xs, y: F.group_norm(m.fc(torch.stack(xs)), 5), _items((IN,), (IN,)),
      [_items((3, IN), (3, IN)), _items((IN,)), _items((IN,), (3, IN)), ()]),
     (lambda m, xs, y: m.fc(torch.concat(tensors=xs, dim=-1).relu()).amax(1), _items((2, IN)),

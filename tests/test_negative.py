@@ -697,8 +697,8 @@ def test_a_whole_view_after_a_reduction_and_steps_of_an_argument_alone_needs_a_d
     optimized = fxfuse.optimize(model)
     assert fused_op_count(optimized) == 1, optimized.fxfuse_report
     with torch.no_grad():
-        for x, y in ((rows(), torch.randn(())), (rows(), torch.randn(BATCH)), (torch.randn(2, BATCH, IN), torch.randn(())),
-                     (rows(), torch.randn(2, BATCH))):
+        for x, y in ((rows(), torch.randn(())), (rows(), torch.randn(BATCH)),
+                     (torch.randn(2, BATCH, IN), torch.randn(())), (rows(), torch.randn(2, BATCH))):
             try:
                 expected = model(x, y)
             except Exception as error:
