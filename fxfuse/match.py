@@ -605,20 +605,28 @@ class _Growth:
         return None
 
     def bias_adds(self, count: int | None = None) -> tuple[int, ...] | None:
-        """The params of the program so far (of its first `count` instructions) where each instruction adds a module
-        tensor of the GEMM's features, (N,), to the value before it (`x @ W.t() + b`): a pool of their sum is the sum
-        of their pools, so they pool with the weight (their param indices); None where another op came first."""
+        """The params of the program so far (of its first `count` instructions) where each instruction adds a bias
+        tensor (is_bias_tensor) of the GEMM's features, (N,), to the value before it (`x @ W.t() + b`): a pool of
+        their sum is the sum of their pools, so they pool with the weight (their param indices); None where another
+        op came first."""
         params = []
         for index, instruction in enumerate(self.instructions[:count]):
             operands = set(instruction.operands)
             param = next((o for o in operands if isinstance(o, Param)), None)
             tensor = None if param is None else self.facts.tensor(self.params[param.index])
             if instruction.op.rstrip("_") != "add" or instruction.attrs or operands != {Value(index), param} or \
-                    module_tensor_path(self.params[param.index]) is None or tensor is None or \
+                    not self.is_bias_tensor(self.params[param.index]) or tensor is None or \
                     tuple(tensor.shape) != (self.features,):
                 return None
             params.append(param.index)
         return tuple(dict.fromkeys(params))  # (a tensor added twice is one param, averaged once)
+
+    def is_bias_tensor(self, obj) -> bool:
+        """Whether `obj` may be a bias that a pool averages with the weight: a module tensor, or a graph input of a
+        Dynamo graph (where the module's parameters are inputs, and guards keep their shapes)."""
+        if module_tensor_path(obj) is not None:
+            return True
+        return self.facts.inputs_guarded and isinstance(obj, fx.Node) and obj.op == "placeholder"
 
     def emit_steps(self, node, steps, last_args, operands, at: int) -> tuple[list, str | None]:
         """Emit the steps before a canonical op computed as several (canonicalize.computed_as) on its resolved

@@ -135,6 +135,20 @@ def test_the_backend_folds_it_too():
     assert [row.pool for report in backend.reports for row in report.fused] == [4]
 
 
+@pytest.mark.usefixtures("fresh_dynamo")  # (the second batch size recompiles: Dynamo must not remember the last test)
+@pytest.mark.parametrize("epilogue", [pool_of_two_biases, pool_of_matmul_plus_bias], ids=lambda f: f.__name__)
+def test_the_backend_folds_a_pool_after_bias_adds(epilogue):
+    """In Dynamo's graph a module's parameters are graph inputs, not module tensors: a bias added before the pool
+    was refused as "a value the region computed" under torch.compile, where optimize() folds it. Guards keep the
+    shapes of graph inputs, so the bias averages with the weight as a module tensor does."""
+    model = pooled(epilogue).train()
+    backend = fxfuse.make_backend("eager")
+    compiled = torch.compile(model, backend=backend)
+    for batch in (BATCH, 5):  # (the second batch size recompiles with a dynamic batch)
+        assert_gradients_match(model, compiled, [torch.randn(batch, IN)])
+    assert [row.pool for report in backend.reports for row in report.fused] == [4, 4]
+
+
 @pytest.mark.parametrize("epilogue, reason", [
     (lambda m, x, y: F.avg_pool1d(m.fc(x), 2, stride=1), "only windows that tile the features"),
     (lambda m, x, y: F.avg_pool1d(m.fc(x), 2, padding=1), "padding or ceil_mode"),
