@@ -87,6 +87,8 @@ std::string check_backward_program(const Binding& binding, const RowLayout& layo
   int row_ops = 0;
   for (const Instruction& ins : binding.row_code) {
     if (ins.group_size > 0) ++row_ops;
+    // (the kept statistics are one pair per chunk: groups inside a chunk have several)
+    if (ins.group_size > 0 && ins.group_mode == GROUP_IN_VECTOR) return "a group size off the lanes' grid";
     if (is_feature_affine(ins.op)) return "batch_norm has no backward kernel";
   }
   if (row_ops > kMaxBackwardRowOps) return "more than " + std::to_string(kMaxBackwardRowOps) + " norms and reductions";

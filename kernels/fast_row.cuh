@@ -25,8 +25,8 @@
 //
 // Limits (fits_fast_row_kernel says whether a program qualifies; the launcher in gemm_epilogue.cpp falls back to
 // row_program_kernel otherwise): rows of whole 16-byte vectors, no slots, no batch_norm, groups that the lanes
-// hold (GROUP_ACROSS_LANES), every param a contiguous per-feature vector (row_stride 0, feature_stride 1, 16-byte
-// aligned).
+// hold (GROUP_ACROSS_LANES) or that lie inside a chunk (GROUP_IN_VECTOR), every param a contiguous per-feature
+// vector (row_stride 0, feature_stride 1, 16-byte aligned).
 #pragma once
 
 #include <climits>
@@ -242,9 +242,37 @@ __device__ __forceinline__ void norm_statistic(const Ctx& ctx, const Instruction
   compute_statistic<ST>(ctx, ins, cur, s0, s1, shared.cross_warp, nullptr);
 }
 
+// A group_norm of groups inside a chunk (GROUP_IN_VECTOR): each chunk's statistics from its own values, without an
+// exchange between lanes, then its affine.
+template <class S, bool WHOLE_ROWS, class F, typename Ctx, int CHUNKS, int VEC>
+__device__ __forceinline__ void fast_norm_in_vector(const Ctx& ctx, const Instruction& ins, Values<CHUNKS, VEC>& cur) {
+  const bool weighted = ins.param[0] >= 0, biased = ins.param[1] >= 0;
+#pragma unroll
+  for (int c = 0; c < CHUNKS; ++c) {
+    float w[VEC], b[VEC], rstd[VEC];
+    center_groups_in_vector(cur[c], ins.group_size, ins.attrs.a0, rstd);  // (the params loaded after: fewer live)
+    if (weighted) load_feature_chunk<S, WHOLE_ROWS>(ctx.prog, ins.param[0], c, ctx.lane, w);
+    else
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) w[j] = 1.0f;
+    if (biased) load_feature_chunk<S, WHOLE_ROWS>(ctx.prog, ins.param[1], c, ctx.lane, b);
+    else
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) b[j] = 0.0f;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) cur[c][j] = F::apply(cur[c][j], 0.0f, rstd[j], w[j], b[j]);
+  }
+}
+
 template <class S, bool WHOLE_ROWS, class F, typename Ctx, int CHUNKS, int VEC>
 __device__ __forceinline__ void fast_norm(const Ctx& ctx, const Instruction& ins, Values<CHUNKS, VEC>& cur,
                                           FastRowShared<CHUNKS>& shared) {
+  if constexpr (F::attrs == NormAttrs::GroupsEps) {  // the one norm whose groups may be smaller than the row
+    if (ins.group_mode == GROUP_IN_VECTOR) {
+      fast_norm_in_vector<S, WHOLE_ROWS, F>(ctx, ins, cur);
+      return;
+    }
+  }
   float s0[CHUNKS], s1[CHUNKS];
   const bool weighted = ins.param[0] >= 0, biased = ins.param[1] >= 0;
   const auto affine = [&](int c, const float (&w)[VEC], const float (&b)[VEC]) {

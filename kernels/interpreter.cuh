@@ -513,6 +513,38 @@ __device__ void normalize_groups_in_shared(const Ctx& ctx, const Instruction& in
   __syncthreads();
 }
 
+// Centers each value of a chunk on its group's mean, in place, and gives each value its group's rstd, for groups of
+// SIZE consecutive values inside the chunk. Butterflies over the chunk's values in registers, in place: each pair's
+// sum is stored in both, so a group's values end with the same bits.
+template <int SIZE, int VEC>
+__device__ __forceinline__ void center_groups_of(float (&x)[VEC], float eps, float (&rstd)[VEC]) {
+  const auto group_sums = [](float (&v)[VEC]) {
+#pragma unroll
+    for (int width = 1; width < SIZE; width *= 2)
+#pragma unroll
+      for (int j = 0; j < VEC; ++j)
+        if ((j & width) == 0) v[j] = v[j | width] = v[j] + v[j | width];
+  };
+  constexpr float kInvSize = 1.0f / SIZE;
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) rstd[j] = x[j];
+  group_sums(rstd);
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) x[j] -= rstd[j] * kInvSize, rstd[j] = x[j] * x[j];
+  group_sums(rstd);
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) rstd[j] = rsqrtf(rstd[j] * kInvSize + eps);
+}
+
+// The same for the group size of GROUP_IN_VECTOR mode: a power of 2 below VEC (1 or 2; 4 in 16-bit storage), one
+// build each, so that the butterflies have no runtime selects.
+template <int VEC>
+__device__ __forceinline__ void center_groups_in_vector(float (&x)[VEC], int size, float eps, float (&rstd)[VEC]) {
+  if (size == 1) center_groups_of<1>(x, eps, rstd);
+  else if (VEC == 4 || size == 2) center_groups_of<2>(x, eps, rstd);
+  else center_groups_of<4>(x, eps, rstd);
+}
+
 #define FXFUSE_STATISTIC_CASE(name, F) \
   case OP_##name:                      \
     return F::statistic;
@@ -682,12 +714,25 @@ __device__ __forceinline__ void apply_row_op(const Ctx& ctx, const Instruction& 
   }
 }
 
-// A norm or a row reduction: its statistic (one copy of each statistic's code per kernel), then its apply.
+// A norm or a row reduction: its statistic (one copy of each statistic's code per kernel), then its apply. Groups
+// inside a chunk (group_norm's, GROUP_IN_VECTOR) are normalized in place, and the apply takes (0, 1), as in
+// GROUP_SHARED mode.
 template <typename Ctx, int CHUNKS, int VEC>
 __device__ __forceinline__ void run_row_op(const Ctx& ctx, const Instruction& ins, Values<CHUNKS, VEC>& cur,
                                            CrossWarp<CHUNKS>& cross_warp, float* shared_rows) {
   float s0[CHUNKS], s1[CHUNKS];
-  run_statistic(ctx, ins, cur, s0, s1, cross_warp, shared_rows);
+  if (ins.group_mode == GROUP_IN_VECTOR) {
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) {
+      float rstd[VEC];
+      center_groups_in_vector(cur[c], ins.group_size, ins.attrs.a0, rstd);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) cur[c][j] *= rstd[j];
+      s0[c] = 0.0f, s1[c] = 1.0f;
+    }
+  } else {
+    run_statistic(ctx, ins, cur, s0, s1, cross_warp, shared_rows);
+  }
   apply_row_op(ctx, ins, cur, s0, s1);
 }
 

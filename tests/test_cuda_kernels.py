@@ -286,12 +286,35 @@ def test_shapes_and_group_counts(m, n, precision):
 @pytest.mark.parametrize("precision", ["fp32", "bf16"], indirect=True)
 @pytest.mark.parametrize("groups", [3, 8, 125, 500, 1000])
 def test_group_sizes_off_the_lane_grid(groups, precision):
-    """Group sizes that are not a power-of-2 multiple of a 16-byte chunk take the shared-memory path."""
+    """Group sizes that are not a power-of-2 multiple of a 16-byte chunk: 1000 and 125 features take the
+    shared-memory path; 2 and 1 (500 and 1000 groups) lie inside a chunk, whose thread computes their statistics."""
     dtype = DTYPES[precision]
     n = 3000 if groups == 3 else 1000
     x, weight, bias = linear_inputs(37, 65, n, dtype)
     params = [torch.randn(n, device="cuda").to(dtype) for _ in range(2)]
     run_and_check(f"group_norm(%0,$0,$1,{groups},1e-05)", x, weight, bias, params, bound_for(precision))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"], indirect=True)
+@pytest.mark.parametrize("n", [1000, 1024, 2048, 8192])
+@pytest.mark.parametrize("size", [1, 2, 4])
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "no affine"])
+def test_groups_inside_a_vector_run_the_fast_kernel(affine, size, n, precision):
+    """Groups of 1, 2 or 4 features lie inside one 16-byte chunk (of 8 bf16 values; 4 fp32 values make a group of 4
+    a whole chunk, on the lanes' grid): each value's group statistics come from its thread's own chunk in the fast
+    kernel (the chain on whole rows for the mish example's program), not from the row staged in shared memory."""
+    dtype = DTYPES[precision]
+    groups = n // size
+    if affine:
+        program = f"add(%0,$0);hardtanh(%1,-1.0,1.0);mish(%2);group_norm(%3,$1,$2,{groups},1e-05)"
+    else:
+        program = f"add(%0,$0);group_norm(%1,None,None,{groups},1e-05)"
+    x, weight, bias = linear_inputs(37, 65, n, dtype)
+    params = [torch.randn(n, device="cuda").to(dtype) for _ in range(3 if affine else 1)]
+    whole_rows = n != 1000  # 1024, 2048 and 8192 are TPR * the fast kernel's values a thread
+    expected = "chain" if affine and whole_rows else f"fast {'whole' if whole_rows else 'part'} light"
+    assert row_kernel_kind(launched_kernel(program, x, weight, bias, params)) == expected
+    run_and_check(program, x, weight, bias, params, bound_for(precision))
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"], indirect=True)
@@ -333,7 +356,10 @@ ROW_KERNEL_CHOICES = [  # (program, n, param kinds, the row kernel that must run
     ("sigmoid(%0);mul(%0,%1)", 1000, [], "lean"),                           # a slot keeps x
     ("add(%0,$0);layer_norm(%1,None,None,1e-05)", 1024, ["full"], "lean"),  # a param per element
     ("add(%0,$0);layer_norm(%1,$1,$2,1e-05)", 1001, ["feature", "affine"], "general"),  # rows not whole vectors
-    ("group_norm(%0,$0,$1,500,1e-05)", 1000, ["affine"], "general"),        # groups of 2: staged in shared memory
+    ("group_norm(%0,$0,$1,200,1e-05)", 1000, ["affine"], "general"),        # groups of 5: staged in shared memory
+    ("group_norm(%0,$0,$1,500,1e-05)", 1000, ["affine"], "fast part light"),  # groups of 2: inside a 16-byte chunk
+    ("group_norm(%0,$0,$1,501,1e-05)", 1002, ["affine"], "general"),  # ... in rows that are not whole vectors
+    ("group_norm(%0,$0,$1,512,1e-05);mul(%0,%1)", 1024, ["affine"], "lean"),  # ... with a slot that keeps x
     ("batch_norm(%0,$0,$1,$2,$3,1e-05);relu(%1)", 1024, ["batch_norm"], "general"),
 ]
 
