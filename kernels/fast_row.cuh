@@ -25,8 +25,8 @@
 //
 // Limits (fits_fast_row_kernel says whether a program qualifies; the launcher in gemm_epilogue.cpp falls back to
 // row_program_kernel otherwise): rows of whole 16-byte vectors, no slots, no batch_norm, groups that the lanes
-// hold (GROUP_ACROSS_LANES) or that lie inside a chunk (GROUP_IN_VECTOR), every param a contiguous per-feature
-// vector (row_stride 0, feature_stride 1, 16-byte aligned).
+// hold (GROUP_ACROSS_LANES) or, in the chains only, that lie inside a chunk (GROUP_IN_VECTOR), every param a
+// contiguous per-feature vector (row_stride 0, feature_stride 1, 16-byte aligned).
 #pragma once
 
 #include <climits>
@@ -264,10 +264,11 @@ __device__ __forceinline__ void fast_norm_in_vector(const Ctx& ctx, const Instru
   }
 }
 
-template <class S, bool WHOLE_ROWS, class F, typename Ctx, int CHUNKS, int VEC>
+// IN_VECTOR_GROUPS: the build takes GROUP_IN_VECTOR groups (the chains only: fits_fast_row_kernel).
+template <class S, bool WHOLE_ROWS, bool IN_VECTOR_GROUPS, class F, typename Ctx, int CHUNKS, int VEC>
 __device__ __forceinline__ void fast_norm(const Ctx& ctx, const Instruction& ins, Values<CHUNKS, VEC>& cur,
                                           FastRowShared<CHUNKS>& shared) {
-  if constexpr (F::attrs == NormAttrs::GroupsEps) {  // the one norm whose groups may be smaller than the row
+  if constexpr (IN_VECTOR_GROUPS && F::attrs == NormAttrs::GroupsEps) {  // the one norm of groups below the row
     if (ins.group_mode == GROUP_IN_VECTOR) {
       fast_norm_in_vector<S, WHOLE_ROWS, F>(ctx, ins, cur);
       return;
@@ -346,8 +347,8 @@ __device__ __forceinline__ void any_fast_reduction(const Ctx& ctx, const Instruc
   fill_with_result(cur, reduction_result(ins, s0[0], s1[0], ctx.prog.features));
 }
 
-// One instruction whose op is known at compile time.
-template <class S, bool WHOLE_ROWS, int OP, typename Ctx, int CHUNKS, int VEC>
+// One instruction whose op is known at compile time; IN_VECTOR_GROUPS as fast_norm's.
+template <class S, bool WHOLE_ROWS, int OP, bool IN_VECTOR_GROUPS, typename Ctx, int CHUNKS, int VEC>
 __device__ __forceinline__ void fast_op(const Ctx& ctx, const Instruction& ins, Values<CHUNKS, VEC>& cur,
                                         FastRowShared<CHUNKS>& shared) {
   using F = typename OpOf<OP>::Functor;
@@ -357,7 +358,7 @@ __device__ __forceinline__ void fast_op(const Ctx& ctx, const Instruction& ins, 
   } else if constexpr (family == OpFamily::Binary) {
     fast_binary<S, WHOLE_ROWS, F>(ctx.prog, ins, ctx.lane, cur);
   } else if constexpr (family == OpFamily::Norm) {
-    fast_norm<S, WHOLE_ROWS, F>(ctx, ins, cur, shared);
+    fast_norm<S, WHOLE_ROWS, IN_VECTOR_GROUPS, F>(ctx, ins, cur, shared);
   } else {
     fast_reduction<F>(ctx, ins, cur, shared);
   }
@@ -372,14 +373,14 @@ __device__ __forceinline__ void fast_instruction(const Ctx& ctx, const Instructi
     return;
   }
   switch (ins.op) {
-#define FXFUSE_FAST_CASE(name, F)                                \
-  case OP_##name:                                                \
-    fast_op<S, WHOLE_ROWS, OP_##name>(ctx, ins, cur, shared);    \
+#define FXFUSE_FAST_CASE(name, F)                                    \
+  case OP_##name:                                                    \
+    fast_op<S, WHOLE_ROWS, OP_##name, false>(ctx, ins, cur, shared); \
     break;
 #define FXFUSE_FAST_BINARY_CASE(name, F)                                                 \
   case OP_##name:                                                                        \
     if constexpr (WITH_LIBM_OPS || !CallsLibm<F>::value)                                 \
-      fast_op<S, WHOLE_ROWS, OP_##name>(ctx, ins, cur, shared);                          \
+      fast_op<S, WHOLE_ROWS, OP_##name, false>(ctx, ins, cur, shared);                   \
     break;
     FXFUSE_BINARY_OPS(FXFUSE_FAST_BINARY_CASE)
     FXFUSE_NORM_OPS(FXFUSE_FAST_CASE)
@@ -530,12 +531,12 @@ __global__ void __launch_bounds__(fast_row_threads(VALUES), 1)
     static_assert(statistic_of(kOps[kLast]) == Statistic::Min, "the build that folds a last row min by atomics");
     run_rows<S, VALUES, true, true>(prog, [&](const auto& ctx, auto& cur, auto& shared) {
       int pc = 0;
-      (((pc < kLast ? fast_op<S, true, OPS>(ctx, prog.code[pc], cur, shared) : void()), ++pc), ...);
+      (((pc < kLast ? fast_op<S, true, OPS, true>(ctx, prog.code[pc], cur, shared) : void()), ++pc), ...);
     });
   } else {
     run_rows<S, VALUES, true>(prog, [&](const auto& ctx, auto& cur, auto& shared) {
       int pc = 0;
-      (fast_op<S, true, OPS>(ctx, prog.code[pc++], cur, shared), ...);
+      (fast_op<S, true, OPS, true>(ctx, prog.code[pc++], cur, shared), ...);
     });
   }
 }

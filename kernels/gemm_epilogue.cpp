@@ -361,7 +361,7 @@ bool launch(const Binding& binding, const RowProgram& row, const std::optional<R
 // groups are placed again.
 int lay_out_for_fast_kernel(RowProgram& row, std::optional<RowLayout>& layout, int vec, int slots_used) {
   const int values = fast_row_values(vec, row.features, uses_libm_op(row));
-  if (values == kRowValues) return fits_fast_row_kernel(row, slots_used) ? values : 0;
+  if (values == kRowValues) return fits_fast_row_kernel(row, slots_used, values) ? values : 0;
   const std::optional<RowLayout> fast_layout = choose_row_layout(row.features, values);
   if (!fast_layout) return 0;
   RowProgram relaid = row;
@@ -370,7 +370,7 @@ int lay_out_for_fast_kernel(RowProgram& row, std::optional<RowLayout>& layout, i
   std::copy(code.begin(), code.end(), relaid.code);
   relaid.threads_per_row = fast_layout->threads_per_row;
   relaid.group_shared_floats = 0;
-  if (!fits_fast_row_kernel(relaid, slots_used)) return 0;
+  if (!fits_fast_row_kernel(relaid, slots_used, values)) return 0;
   row = relaid;
   layout = fast_layout;
   return values;

@@ -113,7 +113,7 @@ ChainEntry<Kernel> chain_entry(Kernel kernel) {
   return {{OPS...}, static_cast<int>(sizeof...(OPS)), kernel};
 }
 
-// The kernel of the chain whose opcodes are the program's, or nullptr.
+// The kernel of the chain whose opcodes are the program's, or a null one (Kernel{}).
 template <class Kernel, size_t N>
 Kernel find_chain(const ChainEntry<Kernel> (&chains)[N], const Instruction* code, int num_instructions) {
   for (const ChainEntry<Kernel>& chain : chains) {
@@ -121,7 +121,7 @@ Kernel find_chain(const ChainEntry<Kernel> (&chains)[N], const Instruction* code
     for (int pc = 0; same && pc < chain.length; ++pc) same = code[pc].op == chain.ops[pc];
     if (same) return chain.kernel;
   }
-  return nullptr;
+  return Kernel{};
 }
 
 // A param as the row phase reads it: element (row, feature) is at ptr[row * row_stride + feature * feature_stride].
@@ -301,12 +301,31 @@ inline bool needs_general_row_kernel(const RowProgram& prog) {
   return false;
 }
 
-// Whether the fast row kernel (fast_row.cuh) takes a program: rows of whole vectors, no slots, nothing that needs
-// the general kernel, and every param a contiguous, 16-byte aligned per-feature vector.
-inline bool fits_fast_row_kernel(const RowProgram& prog, int slots_used) {
+// Whether the fast row kernel at `values` a thread runs the program as a chain (chain_kernel, fast_row.cuh): rows
+// of TPR * values features and the opcodes of one of FXFUSE_ROW_CHAINS, or at kRowValues of FXFUSE_LIBM_ROW_CHAINS.
+inline bool runs_as_row_chain(const RowProgram& prog, int values) {
+#define FXFUSE_CHAIN_OPS(...) chain_entry<bool, __VA_ARGS__>(true),
+  static const ChainEntry<bool> chains[] = {FXFUSE_ROW_CHAINS(FXFUSE_CHAIN_OPS)};
+  static const ChainEntry<bool> libm_chains[] = {FXFUSE_LIBM_ROW_CHAINS(FXFUSE_CHAIN_OPS)};
+#undef FXFUSE_CHAIN_OPS
+  if (prog.features != int64_t{prog.threads_per_row} * values) return false;
+  return find_chain(chains, prog.code, prog.num_instructions) ||
+         (values == kRowValues && find_chain(libm_chains, prog.code, prog.num_instructions));
+}
+
+// Whether the fast row kernel (fast_row.cuh) at `values` a thread takes a program: rows of whole vectors, no slots,
+// nothing that needs the general kernel, every param a contiguous, 16-byte aligned per-feature vector, and groups
+// inside a vector (GROUP_IN_VECTOR) in its chains only: its interpreted builds spilled more with their code (bf16
+// whole rows 16 -> 152 bytes of spill stores; norm_silu 3.2 -> 3.9 us above the GEMM at 1024 features, variant 103),
+// so those programs take the lean row kernel.
+inline bool fits_fast_row_kernel(const RowProgram& prog, int slots_used, int values) {
   if (slots_used > 0 || needs_general_row_kernel(prog)) return false;
   for (const RowParam& p : prog.params)
     if (p.ptr != nullptr && (p.row_stride != 0 || p.feature_stride != 1 || !p.vector_loads)) return false;
+  for (int pc = 0; pc < prog.num_instructions; ++pc) {
+    const Instruction& ins = prog.code[pc];
+    if (ins.group_size > 0 && ins.group_mode == GROUP_IN_VECTOR) return runs_as_row_chain(prog, values);
+  }
   return true;
 }
 
