@@ -153,6 +153,15 @@ class Facts:
     def resolve(self, obj):
         return self.replaced.get(obj, obj) if isinstance(obj, fx.Node) else obj
 
+    def record_replacement(self, output: fx.Node, fused: fx.Node) -> None:
+        """`fused` now computes a region's `output`: what was known of that value holds for it (a later region may
+        take it as an operand, as a transformer block's second residual add takes the first's)."""
+        self.replaced[output] = fused
+        if output in self.made_of_arguments:
+            self.made_of_arguments = self.made_of_arguments | {fused}
+        if output in self.rank_changed_in_place:
+            self.rank_changed_in_place[fused] = self.rank_changed_in_place[output]
+
     def mutations(self, canon) -> list[tuple[fx.Node, list]]:
         """(node, the tensors it may change in place) for each such node of the graph as traced, in order: found
         once, not for every region (fused ops change nothing)."""

@@ -1196,7 +1196,7 @@ def fuse_graph(gm: fx.GraphModule, where: str = "", training: bool = False, shap
             continue
         replaced = [m.name for m in sorted(region.members, key=facts.position.get)]
         fused = _replace(gm, region, facts.position, training, shapes_guarded, following, ranks)
-        facts.replaced[region.output] = fused
+        facts.record_replacement(region.output, fused)
         for followed in (following, ranks):  # (the fused op's value is the output's: the same rank)
             if region.output in followed:
                 followed[fused] = followed[region.output]

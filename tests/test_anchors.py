@@ -90,6 +90,30 @@ def test_two_gemms_in_a_row_become_two_regions():
     assert_whole_chain_fused(model, (torch.randn(BATCH, IN),), regions=2)
 
 
+class ResidualBlock(nn.Module):
+    """A pre-norm transformer block's two residual adds: the second adds the first's fused output."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.norm = nn.Linear(OUT, OUT), nn.LayerNorm(OUT)
+        self.fc1, self.fc2 = nn.Linear(OUT, 2 * OUT), nn.Linear(2 * OUT, OUT)
+
+    def forward(self, x):
+        h = x + self.proj(x)
+        return h + self.fc2(F.gelu(self.fc1(self.norm(h))))
+
+
+@pytest.mark.parametrize("example_inputs", [True, False], ids=["example-inputs", "no-example-inputs"])
+def test_an_earlier_regions_fused_output_is_a_later_regions_operand(example_inputs):
+    """The residual stream `h`, fused as proj's region, is the operand of fc2's add: a tensor made of x. (The norm
+    before fc1 is no epilogue: it stays.)"""
+    model, x = ResidualBlock(), torch.randn(2, 5, OUT)
+    optimized = assert_fuses(model, (x,), regions=3, example_inputs=None if example_inputs else False)
+    assert fused_programs(optimized) == ["add($0,%0)", "gelu(%0,'none')", "add($0,%0)"]
+    assert leftover_compute(optimized) == ["norm (call_module norm)"]
+    assert_gradients_match(model, optimized, (x.requires_grad_(),))
+
+
 def test_batched_matmul_is_no_gemm_anchor():
     """`x @ y` with a 3-D `y` multiplies a batch of matrices: no 2-D weight, so not fused, and still runs."""
     model = GemmThen(lambda m, x, y: torch.relu(m.fc(x) @ y))
