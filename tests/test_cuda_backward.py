@@ -260,10 +260,11 @@ def test_backward_reads_an_expanded_gradient(caplog):
                    grad_output=grad_output)
 
 
-@pytest.mark.parametrize("n, reason", [(97, "whole 16-byte vectors"), (16384, "longer than the backward"),
-                                       (1000, "off the lanes' grid")])
-def test_backward_declines_what_its_kernel_cannot_take(n, reason, caplog):
-    groups = 500 if n == 1000 else 1
+@pytest.mark.parametrize("n, groups, reason", [(97, 1, "whole 16-byte vectors"), (16384, 1, "longer than the backward"),
+                                               (1000, 500, "off the lanes' grid"), (1024, 1024, "off the lanes' grid")])
+def test_backward_declines_what_its_kernel_cannot_take(n, groups, reason, caplog):
+    """Rows the backward's registers or vectors do not take, and groups inside a 16-byte vector (of 2 or 1
+    features, GROUP_IN_VECTOR: the backward keeps one statistic pair a chunk)."""
     program = f"group_norm(%0,$0,$1,{groups},1e-05);relu(%1)"
     params = [torch.randn(n, device="cuda") for _ in range(2)]
     check_backward(program, gemm_output(40, n, torch.float32), params, BOUNDS["fp32"], caplog, fallback=reason)

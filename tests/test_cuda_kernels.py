@@ -295,7 +295,7 @@ def test_group_sizes_off_the_lane_grid(groups, precision):
     run_and_check(f"group_norm(%0,$0,$1,{groups},1e-05)", x, weight, bias, params, bound_for(precision))
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"], indirect=True)
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"], indirect=True)
 @pytest.mark.parametrize("n", [1000, 1024, 2048, 8192])
 @pytest.mark.parametrize("size", [1, 2, 4])
 @pytest.mark.parametrize("affine", [True, False], ids=["affine", "no affine"])
@@ -323,6 +323,37 @@ def test_groups_inside_a_vector_run_in_the_chains_and_the_lean_kernel(affine, si
         expected = f"fast {'whole' if whole_rows else 'part'} light"
     assert row_kernel_kind(launched_kernel(program, x, weight, bias, params)) == expected
     run_and_check(program, x, weight, bias, params, bound_for(precision))
+
+
+@pytest.mark.parametrize("precision, n, size", [
+    (precision, n, size) for precision in ("fp32", "bf16", "fp16") for n, size in ((6, 2), (97, 1), (1002, 2))
+] + [(precision, n, 4) for precision in ("bf16", "fp16") for n in (12, 1004)], indirect=["precision"])
+def test_groups_inside_a_vector_in_rows_that_are_not_whole_vectors(n, size, precision):
+    """Groups of 1, 2 or 4 features in rows of a part vector (narrower than one, too): the general row kernel's
+    last chunk holds whole groups and a part past the row's end, which must neither be stored nor reach them."""
+    dtype = DTYPES[precision]
+    program = f"group_norm(%0,$0,$1,{n // size},1e-05)"
+    x, weight, bias = linear_inputs(37, 65, n, dtype)
+    params = [torch.randn(n, device="cuda").to(dtype) for _ in range(2)]
+    assert row_kernel_kind(launched_kernel(program, x, weight, bias, params)) == "general"
+    run_and_check(program, x, weight, bias, params, bound_for(precision))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"], indirect=True)
+@pytest.mark.parametrize("size", [1, 2, 4])
+@pytest.mark.parametrize("n", [1000, 1024])
+def test_a_nan_feature_stays_in_its_group_inside_a_vector(n, size, precision):
+    """A NaN in one feature of the GEMM output (its weight row) makes its own group NaN, not the rest of its
+    16-byte chunk: the in-register sums of a group (center_groups_of) must not reach the chunk's other groups."""
+    dtype = DTYPES[precision]
+    program = f"group_norm(%0,$0,$1,{n // size},1e-05);hardtanh(%1,-2.0,2.0)"  # a chain on whole rows, else lean
+    x, weight, bias = linear_inputs(37, 65, n, dtype)
+    weight[5] = float("nan")
+    params = [torch.randn(n, device="cuda").to(dtype) for _ in range(2)]
+    out = run_and_check(program, x, weight, bias, params, bound_for(precision))
+    nan_features = torch.isnan(out).all(0).nonzero().flatten().tolist()
+    assert nan_features == list(range(5 // size * size, 5 // size * size + size)), nan_features
+    assert not torch.isnan(out[:, [f for f in range(n) if f not in nan_features]]).any()
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"], indirect=True)
@@ -365,11 +396,22 @@ ROW_KERNEL_CHOICES = [  # (program, n, param kinds, the row kernel that must run
     ("add(%0,$0);layer_norm(%1,None,None,1e-05)", 1024, ["full"], "lean"),  # a param per element
     ("add(%0,$0);layer_norm(%1,$1,$2,1e-05)", 1001, ["feature", "affine"], "general"),  # rows not whole vectors
     ("group_norm(%0,$0,$1,200,1e-05)", 1000, ["affine"], "general"),        # groups of 5: staged in shared memory
+    # groups that straddle 16-byte vectors (3, 6 and 12 features): staged in shared memory, not inside a chunk
+    ("group_norm(%0,$0,$1,336,1e-05)", 1008, ["affine"], "general"),
+    ("group_norm(%0,$0,$1,168,1e-05)", 1008, ["affine"], "general"),
+    ("group_norm(%0,$0,$1,84,1e-05)", 1008, ["affine"], "general"),
     # groups of 2: inside a 16-byte chunk, in the chains on whole rows, else interpreted by the lean kernel
     ("group_norm(%0,$0,$1,512,1e-05);hardtanh(%1,-2.0,2.0)", 1024, ["affine"], "chain"),
     ("group_norm(%0,$0,$1,4096,1e-05);clamp(%1,-2.0,2.0)", 8192, ["affine"], "chain"),  # 32 values in 16-bit
     ("group_norm(%0,$0,$1,512,1e-05);gelu(%1,'none')", 1024, ["affine"], "chain"),  # a chain with libdevice ops
+    ("group_norm(%0,$0,$1,512,1e-05);leaky_relu(%1,0.01);add(%2,%2)", 1024, ["affine"], "chain"),
+    ("add(%0,$0);clamp(%1,-1.0,1.0);mish(%2);group_norm(%3,$1,$2,512,1e-05)", 1024, ["feature", "affine"], "chain"),
+    ("group_norm(%0,$0,$1,4096,1e-05);min_dim(%1,1,True)", 8192, ["affine"], "chain, min by atomics"),
+    ("group_norm(%0,$0,$1,2048,1e-05);amin(%1,1,True)", 8192, ["affine"], "chain, min by atomics"),  # groups of 4
+    ("group_norm(%0,$0,None,512,1e-05);hardtanh(%1,-2.0,2.0)", 1024, ["slopes"], "chain"),  # a weight only
+    ("group_norm(%0,None,$0,256,1e-05);hardtanh(%1,-2.0,2.0)", 1024, ["slopes"], "chain"),  # a bias only
     ("group_norm(%0,$0,$1,512,1e-05);relu(%1)", 1024, ["affine"], "lean"),  # whole rows, not a chain
+    ("group_norm(%0,None,$0,500,1e-05)", 1000, ["slopes"], "lean"),
     ("group_norm(%0,$0,$1,500,1e-05)", 1000, ["affine"], "lean"),
     ("group_norm(%0,$0,$1,501,1e-05)", 1002, ["affine"], "general"),  # ... in rows that are not whole vectors
     ("group_norm(%0,$0,$1,512,1e-05);mul(%0,%1)", 1024, ["affine"], "lean"),  # ... with a slot that keeps x
