@@ -652,7 +652,7 @@ int64_t place_groups(std::vector<Instruction>& code, const RowLayout& layout, in
     } else if (size % vec == 0 && chunk_row % size == 0) {
       ins.chunks_per_group = 1;
       ins.lanes_per_group = static_cast<int32_t>(size / vec);
-    } else if (vec % size == 0) {  // chunks start at multiples of VEC: no group straddles two
+    } else if (size < vec && vec % size == 0) {  // chunks start at multiples of VEC: no group straddles two
       ins.group_mode = GROUP_IN_VECTOR;
     } else {
       ins.group_mode = GROUP_SHARED;

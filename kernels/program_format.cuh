@@ -54,7 +54,8 @@ enum Other : uint8_t { OTHER_CURRENT, OTHER_SLOT0, OTHER_SLOT1, OTHER_PARAM, OTH
 // How a norm finds its groups (chosen by the host from the group size, VEC and TPR).
 enum GroupMode : uint8_t {
   GROUP_ACROSS_LANES,  // whole chunks per group: combine chunks in-thread, then lanes_per_group lanes
-  GROUP_IN_VECTOR,     // sizes that divide VEC (1, 2, 4): each group inside one chunk of one thread, no exchange
+  GROUP_IN_VECTOR,     // sizes below VEC that divide it (1, 2; 4 in 16-bit storage): each group inside one chunk
+                       // of one thread, no exchange
   GROUP_SHARED,        // any other size: the row staged in shared memory, one thread or warp per group
 };
 
