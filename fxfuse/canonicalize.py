@@ -71,12 +71,13 @@ class OperandOf:
 PREVIOUS = "previous"  # in a Canonical's `steps`: the previous step's result
 
 
-def computed_as(steps: tuple, operands: tuple, inplace_of=None) -> Canonical:
-    """A pointwise op that eager computes as several of the vocabulary's, in its order (`input + alpha * other`,
-    addcmul's `input + value * tensor1 * tensor2`): `steps` are (op, args), each arg an operand (`OperandOf`), the
-    previous step's result (`PREVIOUS`) or a number. The canonical op is the last step's; its operands are the
-    formula's, and the matcher emits each step (its `steps` attribute)."""
-    return Canonical(steps[-1][0], tuple(operands), {"steps": tuple(steps)}, inplace_of=inplace_of)
+def computed_as(steps: tuple, operands: tuple, inplace_of=None, attrs=None) -> Canonical:
+    """An op that eager computes as several of the vocabulary's, in its order (`input + alpha * other`, addcmul's
+    `input + value * tensor1 * tensor2`, softmin's softmax of `-input`): `steps` are (op, args), each arg an operand
+    (`OperandOf`), the previous step's result (`PREVIOUS`) or a number; the steps before the last are pointwise ops
+    without attributes. The canonical op is the last step's, with `attrs`; its operands are the formula's, and the
+    matcher emits each step (its `steps` attribute)."""
+    return Canonical(steps[-1][0], tuple(operands), {**(attrs or {}), "steps": tuple(steps)}, inplace_of=inplace_of)
 
 
 @dataclass(frozen=True)
@@ -767,12 +768,16 @@ def _bool_argument(value, what: str) -> bool:
     return value
 
 
+def _softmax_attrs(a, what: str) -> dict:
+    """The attributes of a softmax-like spelling (`what`, as explain() names it): its dim and dtype=."""
+    if a["dim"] is None:
+        raise NotFusible(f"{what} without an explicit dim")
+    return {"dim": _int_argument(a["dim"], f"{what}'s dim"), **_dtype_needed(a["dtype"])}
+
+
 def _softmax_like(op):
     def handler(a, inplace):
-        if a["dim"] is None:
-            raise NotFusible(f"{op} without an explicit dim")
-        return Canonical(op, (a["input"],), {"dim": _int_argument(a["dim"], f"{op}'s dim"),
-                                             **_dtype_needed(a["dtype"])})
+        return Canonical(op, (a["input"],), _softmax_attrs(a, op))
 
     # F.softmax has a `_stacklevel` before dtype; torch.softmax, torch.special.softmax and the method do not
     # (`torch.softmax(h, -1, torch.float64)` passes the dtype by position).
@@ -783,6 +788,13 @@ def _softmax_like(op):
 
 _softmax_like("softmax")
 _softmax_like("log_softmax")
+
+
+@spelling("(input, dim=None, _stacklevel=3, dtype=None)", functions=(F.softmin,))  # and nn.Softmin's forward
+def _softmin(a, inplace):
+    # eager computes `(-input).softmax(dim)`, with dtype= as softmax takes it
+    steps = (("neg", (OperandOf(0),)), ("softmax", (PREVIOUS,)))
+    return computed_as(steps, (a["input"],), attrs=_softmax_attrs(a, "softmin"))
 
 
 # ---------------------------------------------------------------- row reductions
@@ -1152,9 +1164,9 @@ def _module_tensor(path: str, module: nn.Module, name: str):
 
 _KNOWN_MODULES = (nn.Linear, nn.ReLU, nn.SiLU, nn.Mish, nn.Hardswish, nn.Hardsigmoid, nn.SELU, nn.ReLU6, nn.Sigmoid,
                   nn.Tanh, nn.Identity, nn.Hardtanh, nn.LeakyReLU, nn.RReLU, nn.ELU, nn.CELU, nn.GELU, nn.Softplus,
-                  nn.Softmax, nn.LogSoftmax, nn.Dropout, nn.AlphaDropout, nn.FeatureAlphaDropout, nn.GroupNorm,
-                  nn.LayerNorm, nn.BatchNorm1d, nn.InstanceNorm1d, nn.Threshold, nn.Hardshrink, nn.Softshrink,
-                  nn.LogSigmoid, nn.Softsign, nn.Tanhshrink, nn.PReLU, nn.AvgPool1d,
+                  nn.Softmax, nn.LogSoftmax, nn.Softmin, nn.Dropout, nn.AlphaDropout, nn.FeatureAlphaDropout,
+                  nn.GroupNorm, nn.LayerNorm, nn.BatchNorm1d, nn.InstanceNorm1d, nn.Threshold, nn.Hardshrink,
+                  nn.Softshrink, nn.LogSigmoid, nn.Softsign, nn.Tanhshrink, nn.PReLU, nn.AvgPool1d,
                   *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))
 
 
@@ -1220,8 +1232,8 @@ def _module_call(module: nn.Module, path: str):
         return F.gelu, (), {"approximate": module.approximate}
     if kind is nn.Softplus:
         return F.softplus, (module.beta, module.threshold), {}
-    if kind in (nn.Softmax, nn.LogSoftmax):
-        return {nn.Softmax: F.softmax, nn.LogSoftmax: F.log_softmax}[kind], (module.dim,), {}
+    if kind in (nn.Softmax, nn.LogSoftmax, nn.Softmin):
+        return {nn.Softmax: F.softmax, nn.LogSoftmax: F.log_softmax, nn.Softmin: F.softmin}[kind], (module.dim,), {}
     if kind in (nn.Dropout, nn.AlphaDropout, nn.FeatureAlphaDropout):
         fn = {nn.Dropout: F.dropout, nn.AlphaDropout: F.alpha_dropout, nn.FeatureAlphaDropout: F.feature_alpha_dropout}
         return fn[kind], (module.p, module.training), {}

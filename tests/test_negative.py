@@ -172,6 +172,11 @@ NOT_ROW_LOCAL = {
                                            "softmax with dtype=float32 pins"),
     "log_softmax-own-dtype": (lambda m, x, y: m.fc(x).log_softmax(-1, torch.float32), "log_softmax with dtype"),
     "sum-own-dtype": (lambda m, x, y: m.fc(x).sum(-1, dtype=torch.float32), "sum with dtype=float32 pins"),
+    # softmin is softmax of the negated value: its dtype= is softmax's
+    "softmin-with-dtype": (lambda m, x, y: F.softmin(m.fc(x), -1, dtype=torch.float64),
+                           "softmax with dtype=float64 makes its float32 value float64"),
+    "softmin-own-dtype": (lambda m, x, y: F.softmin(m.fc(x), 1, dtype=torch.float32), "pins its result's dtype"),
+    "softmin-over-batch": (lambda m, x, y: F.softmin(m.fc(x), dim=0), "softmax over dim 0"),
 }
 THREE_D = {"mean-over-rows-of-3-D", "log_softmax-over-dim-1-of-3-D", "layer_norm-two-dims", "group_norm-on-3-D"}
 

@@ -478,6 +478,12 @@ def test_round_to_decimals_is_not_fused_and_explain_says_why():
     assert_not_fused(model, (torch.randn(BATCH, IN),), reason="round with decimals=2")
 
 
+def test_softmin_without_a_dim_is_not_fused_and_explain_says_why():
+    """Eager picks the dim from the value's rank, with a warning that the implicit choice is deprecated."""
+    model = GemmThen(lambda m, x, y: m.act(m.fc(x)), act=nn.Softmin())
+    assert_not_fused(model, (torch.randn(BATCH, IN),), reason="softmin without an explicit dim")
+
+
 def test_instance_norm_of_each_row_of_a_3d_output_fuses():
     model = GemmThen(lambda m, x, y: F.instance_norm(m.fc(x), eps=1e-4))
     optimized = assert_whole_chain_fused(model, (torch.randn(2, 5, IN),))
@@ -535,6 +541,11 @@ REDUCTIONS = [
     case("torch.log_softmax", "log_softmax", linear_then(lambda h: torch.log_softmax(h, dim=-1))),
     case("Tensor.log_softmax", "log_softmax", linear_then(lambda h: h.log_softmax(-1))),
     case("nn.LogSoftmax", "log_softmax", lambda m, x, y: m.act(m.fc(x)), act=nn.LogSoftmax(dim=-1)),
+    # softmin is eager's softmax of the negated value
+    case("F.softmin", "neg(%0);softmax(%1,-1)", linear_then(lambda h: F.softmin(h, -1))),
+    case("F.softmin-kw", "neg(%0);softmax(%1,1)", linear_then(lambda h: F.softmin(h, dim=1))),
+    case("nn.Softmin", "neg(%0);softmax(%1,-1)", lambda m, x, y: m.act(m.fc(x)), act=nn.Softmin(dim=-1)),
+    case("nn.Softmin-positional", "neg(%0);softmax(%1,1)", lambda m, x, y: m.act(m.fc(x)), act=nn.Softmin(1)),
     # NumPy's keywords, which torch.* and the methods take (F.* does not)
     case("torch.sum-axis-keepdims", "sum(%0,1,True)", linear_then(lambda h: torch.sum(h, axis=1, keepdims=True))),
     case("Tensor.mean-axis", "mean(%0,-1,False)", linear_then(lambda h: h.mean(axis=-1))),
