@@ -458,8 +458,17 @@ def _square(a, inplace):
 @spelling("(input, exponent)", functions=(torch.pow, operator.pow), methods=("pow",),
           inplace_methods=("pow_",), inplace_functions=(operator.ipow,))
 def _pow(a, inplace):
+    if isinstance(a["exponent"], fx.Node) and not isinstance(a["input"], fx.Node):
+        raise NotFusible(f"{a['input']!r} ** a tensor: pow takes a number exponent only (2 ** x is exp2's value, but "
+                         "CUDA's autocast runs pow in float32 and exp2 in the value's dtype)")
     return Canonical("pow", (a["input"],), {"exponent": _number(a["exponent"], "the exponent")},
                      inplace_of=_inplace(a, inplace))
+
+
+@spelling("(input, exponent)", functions=(torch.float_power,), methods=("float_power",),
+          inplace_methods=("float_power_",))
+def _float_power(a, inplace):
+    raise NotFusible("float_power computes in float64, where the fused op keeps its value's dtype")
 
 
 def _binary(op: str, fns, methods, inplace_ops, signature="(input, other, *, alpha=1)", swap=False):

@@ -478,6 +478,16 @@ def test_round_to_decimals_is_not_fused_and_explain_says_why():
     assert_not_fused(model, (torch.randn(BATCH, IN),), reason="round with decimals=2")
 
 
+@pytest.mark.parametrize("epilogue, reason", [
+    (lambda h: 2 ** h, "2 ** a tensor"),
+    (lambda h: torch.pow(2.0, h), "2.0 ** a tensor"),
+    (lambda h: torch.float_power(h, 2), "float_power computes in float64"),
+    (lambda h: h.float_power(0.5), "float_power computes in float64"),
+], ids=["2**h", "torch.pow(2.0,h)", "torch.float_power", "Tensor.float_power"])
+def test_pow_spellings_outside_the_vocabulary_are_not_fused_and_explain_says_why(epilogue, reason):
+    assert_not_fused(GemmThen(linear_then(epilogue)), (torch.randn(BATCH, IN),), reason=reason)
+
+
 def test_softmin_without_a_dim_is_not_fused_and_explain_says_why():
     """Eager picks the dim from the value's rank, with a warning that the implicit choice is deprecated."""
     model = GemmThen(lambda m, x, y: m.act(m.fc(x)), act=nn.Softmin())
