@@ -149,6 +149,9 @@ class Facts:
     # optimize()'s graphs: rewrite's _ranks_following_arguments (with items): value -> ({argument: its offset}, the
     # fewest dims it has), whose first check (require_broadcast_rank) finds at least those dims
     following_ranks: dict = field(default_factory=dict)
+    # optimize()'s graphs without example inputs: what the vocabulary's ops make of module tensors and numbers alone
+    # (`self.logit_scale.exp()`), as meta tensors of their shapes and dtypes (values_of_module_tensors)
+    module_values: dict = field(default_factory=dict)
 
     def resolve(self, obj):
         return self.replaced.get(obj, obj) if isinstance(obj, fx.Node) else obj
@@ -201,7 +204,7 @@ class Facts:
         meta = obj.meta.get("tensor_meta")
         if meta is not None and hasattr(meta, "shape"):
             return torch.empty(meta.shape, dtype=meta.dtype, device="meta")
-        return None
+        return self.module_values.get(obj)
 
     def is_tensor(self, obj) -> bool | None:
         """True/False when known, None when it can't be told without example inputs."""
@@ -237,6 +240,81 @@ def _known_tensor(value) -> torch.Tensor | None:
 def module_tensor(gm: fx.GraphModule, path: str) -> torch.Tensor | None:
     """The module tensor at `path` of `gm`, if its shape is known."""
     return _known_tensor(_get_attr(gm, path))
+
+
+def values_of_module_tensors(gm: fx.GraphModule, canon, mutations: list) -> dict[fx.Node, torch.Tensor]:
+    """The values that the vocabulary's ops make out of place of module tensors and numbers alone
+    (`self.logit_scale.exp()`, `torch.sigmoid(self.gate) * 2`), each as a meta tensor of its shape and dtype, found by
+    running their ops on meta tensors of the module's. Such a value is a tensor at every call, and its ops, which stay
+    in the graph, make it of the module's tensors as they are then, as a module tensor read directly is (after
+    `.double()`, a float64 one). Not through a module's call (its hooks), nor of a module tensor that an op of the
+    graph may change (`mutations`: Facts.mutations'), which may change its shape too (`unsqueeze_`, a hook's code)."""
+    changing = {node for node, _ in mutations}
+    changed, changed_modules = _changed_module_tensors(gm, canon, mutations)
+    covering = {covered: node for node, c in canon.items() for covered in c.covers}
+    values: dict[fx.Node, Any] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            tensor = module_tensor(gm, node.target)
+            if tensor is not None and id(tensor) not in changed and \
+                    not any(state.covers(node.target) for state in changed_modules):
+                values[node] = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+            continue
+        # (a node that an op of the vocabulary stands for with others runs as part of it: `relu6(t + 3)` of hardswish)
+        if node.op not in ("call_function", "call_method") or node in changing or not node.all_input_nodes or \
+                not _makes_a_tensor_of_its_own(canon.get(covering.get(node, node))) or \
+                any(source not in values for source in node.all_input_nodes):
+            continue
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), values.__getitem__)
+        try:
+            if node.op == "call_method":
+                values[node] = getattr(args[0], node.target)(*args[1:], **kwargs)
+            else:
+                values[node] = node.target(*args, **kwargs)
+        except Exception:  # (eager raises for it too, or a meta kernel is missing: unknown)
+            continue
+    return {node: value for node, value in values.items()
+            if node.op != "get_attr" and node in canon and isinstance(value, torch.Tensor)}
+
+
+def _changed_module_tensors(gm: fx.GraphModule, canon, mutations: list) -> tuple[dict, list]:
+    """What an op of the graph may change in place of the module's tensors (`mutations`: Facts.mutations'): the
+    tensors, by id (a tied one is changed under each of its paths), and the modules whose code may change any of
+    theirs (ModuleState)."""
+    tensors, modules = {}, []
+    for _, mutated in mutations:
+        for target in mutated:
+            target = target.tensor if isinstance(target, OwnState) else target
+            if isinstance(target, ModuleState):
+                modules.append(target)
+                continue
+            for base in ([target] if isinstance(target, Attr) else _bases(target, canon)):
+                path = module_tensor_path(base)
+                tensor = None if path is None else module_tensor(gm, path)
+                if tensor is not None:
+                    tensors[id(tensor)] = tensor
+    return tensors, modules
+
+
+def _makes_a_tensor_of_its_own(c: Canonical | None) -> bool:
+    """Whether canonical op `c` is one of the vocabulary's that makes a tensor of its own, changing none: not
+    detach, whose result is its input's memory, nor an op with `out=`."""
+    if c is None or c.problem or c.op not in EPILOGUE_OPS or c.inplace_of is not None or c.attrs.get("writes_out"):
+        return False
+    return not EPILOGUE_OPS[c.op].gradient_free
+
+
+def _module_value_problem(operand: fx.Node, canon) -> str:
+    """Why `operand`, made of no forward argument, is not taken for a tensor without example inputs: it is not among
+    values_of_module_tensors'."""
+    c = canon.get(operand)
+    if c is not None and c.inplace_of is not None:
+        return (f"operand {describe(operand)} changes {describe(c.inplace_of)} in place: without example inputs, only "
+                "what the vocabulary's ops make out of place of module tensors and numbers is taken for a tensor")
+    return (f"cannot prove that {describe(operand)} is a tensor without example inputs (of module tensors and numbers "
+            "alone, only what the vocabulary's ops make out of place is, not detach, which returns its input's memory, "
+            "not through a module's call, and not of a module tensor that an op of the forward may change in place): "
+            "pass example inputs")
 
 
 def _get_attr(gm: fx.GraphModule, path: str):
@@ -335,6 +413,8 @@ class _Growth:
             # graph inputs is taken as a tensor.
             if known is None and operand.op not in ("placeholder", "call_module") and \
                     operand not in self.facts.made_of_arguments:
+                if not _reads_input(operand):
+                    return _module_value_problem(operand, self.canon)
                 return (f"cannot prove that {describe(operand)} is a tensor without example inputs (of forward "
                         "arguments, only what pointwise ops, norms, reductions over one dim, unsqueeze, flatten, "
                         "view and reshape make is, and a squeeze of an argument, or of pointwise ops of it and "

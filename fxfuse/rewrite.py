@@ -24,7 +24,8 @@ from .canonicalize import (FEATURE_POOL, IDENTITY, LINEAR, SQUEEZED, Attr, augme
                            restore_readers_outside_regions, shape_after, shape_step)
 from .epilogue import EPILOGUE_OPS, NORM, POINTWISE, REDUCTION
 from .library import gemm_epilogue, gemm_epilogue_train, mean_of_row_groups
-from .match import _OPERATOR_IN_PLACE, Facts, Region, find_region, module_tensor, module_tensor_path
+from .match import (_OPERATOR_IN_PLACE, Facts, Region, find_region, module_tensor, module_tensor_path,
+                    values_of_module_tensors)
 from .program import Param, drop_unread_params, hoist_param_steps
 from .report import FusedRow, MissRow, Report
 
@@ -1177,6 +1178,7 @@ def fuse_graph(gm: fx.GraphModule, where: str = "", training: bool = False, shap
         # (nor where an op may change x's rank in place, `x.unsqueeze_(0)`: the first checks would see it before)
         facts.rank_changed_in_place = _values_whose_rank_may_change_in_place(gm, canon, facts.mutations(canon), ranks)
         facts.following_ranks = ranks
+        facts.module_values = values_of_module_tensors(gm, canon, facts.mutations(canon))
 
         def rank_checks_before_any_op(x, x_rank: int) -> list[tuple]:
             """_first_rank_checks' of x, at this point of the rewrite: where there are none, the matcher does not fuse

@@ -9,9 +9,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from epilogue_models import (BATCH, IN, OUT, GemmThen, assert_whole_chain_fused, fused_programs,
+import fxfuse
+from epilogue_models import (BATCH, IN, OUT, GemmThen, assert_reason, assert_whole_chain_fused, fused_programs,
                              leftover_compute)
-from fxfuse.testing import assert_fuses, assert_gradients_match, assert_not_fused
+from fxfuse.testing import (assert_close_report, assert_fuses, assert_gradients_match, assert_not_fused,
+                            fused_op_count)
 
 
 class OwnWeights(nn.Module):
@@ -85,6 +87,18 @@ def test_nn_linear_fuses_on_any_leading_dims(bias, shape):
     assert_whole_chain_fused(model, (torch.randn(*shape),))
 
 
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("gemm", [lambda m, x: F.linear(x, m.w * 2, m.b), lambda m, x: x @ m.w.tanh().t() + m.b.exp()],
+                         ids=["F.linear(x,w*2,b)", "x@w.tanh().t()+b.exp()"])
+def test_weight_made_of_module_tensors_is_an_anchor_without_example_inputs(gemm, training):
+    """A weight that the vocabulary's ops make of module tensors alone is a known 2-D tensor without example inputs
+    too (match.values_of_module_tensors): the GEMM is an anchor, its gradients reach the module tensors."""
+    model, x = OwnWeights(gemm).train(training), torch.randn(BATCH, IN)
+    optimized = assert_fuses(model, (x,), example_inputs=False)
+    assert fused_programs(optimized)[0].split(";")[-1].startswith("relu(")
+    assert_gradients_match(model, optimized, (x,))
+
+
 def test_two_gemms_in_a_row_become_two_regions():
     model = nn.Sequential(nn.Linear(IN, OUT), nn.ReLU(), nn.Linear(OUT, 16), nn.Tanh())
     assert_whole_chain_fused(model, (torch.randn(BATCH, IN),), regions=2)
@@ -156,6 +170,116 @@ def test_operand_computed_outside_the_region(name):
 def test_outside_operand_without_example_inputs_is_a_graph_input():
     model = GemmThen(lambda m, x, y: (m.fc(x) + y) * y)
     assert_whole_chain_fused(model, (torch.randn(BATCH, IN), torch.randn(BATCH, OUT)), example_inputs=False)
+
+
+# Operands that the vocabulary's ops make of module tensors and numbers alone (CLIP's `logit_scale.exp()`): a tensor
+# at every call, whose shape and dtype follow from the module's tensors, so they fuse without example inputs too;
+# their ops stay, before the fused op (the number of them).
+MODULE_TENSOR_OPERANDS = {
+    "logit_scale.exp()": (lambda m, x, y: m.fc(x) * m.logit_scale.exp(), 1),
+    "sigmoid(gate)": (lambda m, x, y: m.fc(x) * torch.sigmoid(m.gate), 1),
+    "softplus(offset)": (lambda m, x, y: m.fc(x) + F.softplus(m.offset), 1),
+    "scale.clamp(min=0.1)": (lambda m, x, y: m.fc(x) * m.scale.clamp(min=0.1), 1),
+    "temperature.abs()": (lambda m, x, y: m.fc(x) / m.temperature.abs(), 1),
+    "gate.softmax(0)*2+offset": (lambda m, x, y: F.gelu(m.fc(x)) * (m.gate.softmax(0) * 2 + m.offset), 3),
+    "layer_norm(h*row.exp())": (lambda m, x, y: F.layer_norm(m.fc(x) * m.row.exp(), (OUT,)), 1),
+}
+
+
+def module_tensors_model(epilogue, **extras):
+    """GemmThen with CLIP-like module tensors: parameters logit_scale (0-d), gate (OUT,) and temperature (1,); buffers
+    offset (OUT,), scale (OUT,) and row (1, OUT)."""
+    return GemmThen(epilogue, logit_scale=nn.Parameter(torch.tensor(0.5)), gate=nn.Parameter(torch.randn(OUT)),
+                    temperature=nn.Parameter(torch.tensor([0.07])), offset=torch.randn(OUT), scale=torch.rand(OUT),
+                    row=torch.randn(1, OUT) / 4, **extras)
+
+
+@pytest.mark.parametrize("example_inputs", [True, False], ids=["example-inputs", "no-example-inputs"])
+@pytest.mark.parametrize("name", list(MODULE_TENSOR_OPERANDS))
+def test_operand_made_of_module_tensors_fuses_without_example_inputs(name, example_inputs):
+    epilogue, ops_left = MODULE_TENSOR_OPERANDS[name]
+    model = module_tensors_model(epilogue).eval()
+    optimized = assert_fuses(model, (torch.randn(BATCH, IN),), example_inputs=None if example_inputs else False)
+    assert len(leftover_compute(optimized)) == ops_left, optimized.code
+    assert "$" in fused_programs(optimized)[0]
+
+
+@pytest.mark.parametrize("name", list(MODULE_TENSOR_OPERANDS))
+def test_operand_made_of_module_tensors_trains_without_example_inputs(name):
+    """In train mode the operand's ops stay outside the fused op, so the module tensors' gradients flow through them
+    from the fused op's param gradient."""
+    model = module_tensors_model(MODULE_TENSOR_OPERANDS[name][0]).train()
+    optimized = fxfuse.optimize(model)
+    assert fused_op_count(optimized) == 1, optimized.fxfuse_report
+    assert len(leftover_compute(optimized)) == MODULE_TENSOR_OPERANDS[name][1], optimized.code
+    assert_gradients_match(model, optimized, (torch.randn(BATCH, IN),))
+
+
+def test_operand_made_of_a_float64_buffer_is_not_fused_without_example_inputs():
+    """Eager promotes `h * buf64.exp()` to float64: the operand's dtype is known from the buffer's, and refused as
+    with example inputs."""
+    model = module_tensors_model(lambda m, x, y: m.fc(x) * m.buf64.exp(),
+                                 buf64=torch.randn(OUT, dtype=torch.float64)).eval()
+    optimized = assert_fuses(model, (torch.randn(BATCH, IN),), regions=0, example_inputs=False)
+    assert_reason(optimized, "operand `exp` is float64 while the GEMM is float32 (eager would promote the result)")
+
+
+@pytest.mark.parametrize("example_inputs", [True, False], ids=["example-inputs", "no-example-inputs"])
+def test_operand_made_of_a_module_tensor_changed_in_place_is_not_fused(example_inputs):
+    """`self.scale.exp_()` changes the buffer at every call: no operand of a fused op, with example inputs or without
+    (explain() says why)."""
+    model = module_tensors_model(lambda m, x, y: m.fc(x) * m.scale.exp_()).eval()
+    x = torch.randn(BATCH, IN)
+    optimized = fxfuse.optimize(model, (x,) if example_inputs else None)
+    assert fused_op_count(optimized) == 0, optimized.fxfuse_report
+    if not example_inputs:
+        assert_reason(optimized, "operand `exp_` changes `scale` in place: without example inputs, only what the "
+                                 "vocabulary's ops make out of place of module tensors and numbers is taken")
+    expected = model(x)  # (each call changes the buffer: eager's second call against the optimized model's)
+    model.scale.log_()
+    assert_close_report(optimized(x), expected)
+
+
+@pytest.mark.parametrize("epilogue", [lambda m, x, y: m.fc(x) * (m.act(m.gate) * 2),
+                                      lambda m, x, y: m.fc(x) * m.scale.unsqueeze_(0).exp(),
+                                      lambda m, x, y: (m.scale.unsqueeze_(0), m.fc(x) * m.scale.exp())[1],
+                                      lambda m, x, y: m.fc(x) * m.gate.detach()],
+                         ids=["of-a-module-call", "of-a-module-tensor-changed-in-place",
+                              "of-a-module-tensor-an-op-changes-in-place", "detach-of-a-module-tensor"])
+def test_operand_of_module_tensors_that_stays_unknown_says_to_pass_example_inputs(epilogue):
+    """What a module's call makes (its hooks may return anything), ops of a module tensor that an op of the forward
+    may change in place (its shape too), or detach (the module tensor's own memory) is not evaluated: explain() says
+    to pass example inputs."""
+    model = module_tensors_model(epilogue, act=nn.Sigmoid()).eval()
+    optimized = fxfuse.optimize(model)
+    assert fused_op_count(optimized) == 0, optimized.fxfuse_report
+    assert_reason(optimized, "without example inputs (of module tensors and numbers alone, only what the vocabulary's "
+                             "ops make out of place is")
+    assert_reason(optimized, "pass example inputs")
+
+
+@pytest.mark.parametrize("name", ["logit_scale.exp()", "gate.softmax(0)*2+offset", "layer_norm(h*row.exp())"])
+def test_operand_made_of_module_tensors_follows_a_cast_after_optimize(name):
+    """The operand's ops run at each call on the module's tensors as they are then: module tensors cast alone to
+    float64 promote the result as eager's ops do (a (1, OUT) or (OUT,) one; a 0-d one does not), and after .double()
+    the fused op computes in float64."""
+    model = module_tensors_model(MODULE_TENSOR_OPERANDS[name][0]).eval()
+    optimized = fxfuse.optimize(model)
+    assert fused_op_count(optimized) == 1, optimized.fxfuse_report
+    assert len(leftover_compute(optimized)) == MODULE_TENSOR_OPERANDS[name][1], optimized.code
+    x = torch.randn(BATCH, IN)
+    for tensor in (optimized.offset, optimized.row, optimized.logit_scale):  # (the model's own tensors)
+        tensor.data = tensor.data.double()
+    with torch.no_grad():
+        expected, actual = model(x), optimized(x)
+    assert actual.dtype == expected.dtype
+    assert_close_report(actual, expected)
+    optimized.float().double()
+    model.double()  # (its own buffers: the optimized model's are in a dict of its own, cast above)
+    with torch.no_grad():
+        expected, actual = model(x.double()), optimized(x.double())
+    assert actual.dtype == expected.dtype == torch.float64
+    assert_close_report(actual, expected)
 
 
 def test_broadcast_to_a_larger_output_as_in_eager():
